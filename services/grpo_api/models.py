@@ -1,0 +1,677 @@
+"""The `GRPORun` API (`grpo.dev/v1alpha1`) as typed models.
+
+These models are the single source of truth for the custom resource: the CRD
+schema (`grpo crd`), the run-config the server and trainer read, and the local
+runner's validation are all derived from them. Every field carries a one-line
+description and a default; cross-field rules are written once, as CEL
+(`x-kubernetes-validations`) for the API server, and mirrored by pydantic
+validators so `grpo run` refuses the same specs before anything starts.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "grpo.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "GRPORun"
+PLURAL = "grporuns"
+SINGULAR = "grporun"
+SHORT_NAMES = ["grpo"]
+
+#: LoRA ranks vLLM can serve (`vllm/config/lora.py`).
+VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+#: Quantity strings as Kubernetes accepts them ("10Gi", "500m", "1").
+QUANTITY_PATTERN = r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+|[KMGTPE]i?|[munkMGTPE]|m)?$"
+
+
+def _cel(rule: str, message: str, **extra: str) -> dict[str, str]:
+    return {"rule": rule, "message": message, **extra}
+
+
+class ApiModel(BaseModel):
+    """Base: camelCase on the wire, unknown fields refused, values validated on assignment."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        validate_assignment=True,
+        use_enum_values=True,
+    )
+
+    def to_wire(self) -> dict[str, Any]:
+        """camelCase dict with unset optional fields left out, as the API server stores it."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+Quantity = Annotated[str | int, Field(description="A Kubernetes quantity such as 2, 500m or 16Gi.")]
+
+
+class Resources(ApiModel):
+    """Compute resources of a container, as in a Pod spec."""
+
+    requests: dict[str, Quantity] = Field(
+        default_factory=dict, description="Minimum resources, e.g. {cpu: 4, memory: 32Gi}."
+    )
+    limits: dict[str, Quantity] = Field(
+        default_factory=dict, description="Maximum resources, e.g. {nvidia.com/gpu: 1, memory: 64Gi}."
+    )
+
+
+class EnvVar(ApiModel):
+    """An extra environment variable for a container (literal values only)."""
+
+    name: str = Field(description="Variable name.", min_length=1, max_length=256)
+    value: str = Field(default="", description="Variable value.", max_length=4096)
+
+
+# ---------------------------------------------------------------------------------------------- spec
+
+
+class ModelDType(StrEnum):
+    AUTO = "auto"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FLOAT32 = "float32"
+
+
+class ModelSpec(ApiModel):
+    """The base model that the server serves and the trainer adapts."""
+
+    name: str = Field(
+        description="Model name: a hub id resolved from the model cache (e.g. Qwen/Qwen2.5-1.5B-Instruct), "
+        "or the served name when `path` is set.",
+        min_length=1,
+        max_length=253,
+    )
+    path: str | None = Field(
+        default=None,
+        description="Directory of a Hugging Face model on a mounted volume (absolute in the cluster; "
+        "relative to the run file for `grpo run`). Overrides resolution by name.",
+        max_length=1024,
+    )
+    revision: str | None = Field(default=None, description="Revision (branch, tag or commit) of a hub model.")
+    dtype: ModelDType = Field(default=ModelDType.AUTO, description="Weights dtype for serving and training.")
+
+
+class DatasetFormat(StrEnum):
+    AUTO = "auto"
+    JSONL = "jsonl"
+    PARQUET = "parquet"
+    ARROW = "arrow"
+
+
+class PromptFormat(StrEnum):
+    AUTO = "auto"
+    PLAIN = "plain"
+    CONVERSATIONAL = "conversational"
+
+
+class DatasetSpec(ApiModel):
+    """The prompts to train on: a file or a saved Hugging Face dataset on the volume."""
+
+    path: str = Field(
+        description="Path of a .jsonl or .parquet file, or of a directory written by `save_to_disk`.",
+        min_length=1,
+        max_length=1024,
+    )
+    format: DatasetFormat = Field(default=DatasetFormat.AUTO, description="File format; auto by extension.")
+    prompt_field: str = Field(default="prompt", description="Column that holds the prompt.", max_length=128)
+    prompt_format: PromptFormat = Field(
+        default=PromptFormat.AUTO,
+        description="plain (a string, no chat template) or conversational (a list of messages; the trainer "
+        "applies the chat template); auto decides from the data.",
+    )
+    split: str = Field(default="train", description="Split to use when the dataset directory holds several.")
+
+
+class RewardSpec(ApiModel):
+    """One reward function: a built-in by name or a user function by import path."""
+
+    function: str = Field(
+        description="A built-in (exact_match, regex_match, length_penalty, token_fraction) or "
+        "`module:function` of a user function with TRL's reward contract.",
+        min_length=1,
+        max_length=512,
+        pattern=r"^([a-z_]+|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$",
+    )
+    weight: float = Field(default=1.0, description="Weight of this reward in the total.")
+    args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments for the function (e.g. {pattern: ...} for regex_match).",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+
+class Mode(StrEnum):
+    SERVER = "server"
+    COLOCATE = "colocate"
+
+
+class Engine(StrEnum):
+    AUTO = "auto"
+    VLLM = "vllm"
+    TRANSFORMERS = "transformers"
+
+
+def _gpu_resources() -> Resources:
+    return Resources(requests={"cpu": "4", "memory": "32Gi"}, limits={"nvidia.com/gpu": 1, "memory": "64Gi"})
+
+
+class ServerSpec(ApiModel):
+    """The generation server: vLLM serving the base model plus the policy's current LoRA adapter."""
+
+    image: str = Field(default="ghcr.io/grpo-dev/grpo-server:0.1.0", description="Server container image.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="Image pull policy."
+    )
+    engine: Engine = Field(
+        default=Engine.AUTO,
+        description="Inference engine: vllm (GPU), transformers (CPU/GPU, slow but real), or auto "
+        "(vllm when importable and a GPU is present).",
+    )
+    resources: Resources = Field(default_factory=_gpu_resources, description="Server container resources.")
+    port: int = Field(default=8000, ge=1, le=65535, description="HTTP port of the server.")
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64, description="vLLM tensor parallel size.")
+    data_parallel_size: int = Field(default=1, ge=1, le=64, description="vLLM data parallel size.")
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0.0, le=1.0, description="Share of GPU memory vLLM may use."
+    )
+    dtype: ModelDType = Field(default=ModelDType.AUTO, description="Serving dtype.")
+    max_model_len: int | None = Field(
+        default=None, ge=16, description="Maximum prompt + completion length; default is the model's."
+    )
+    enable_prefix_caching: bool = Field(default=True, description="Enable vLLM prefix caching.")
+    enforce_eager: bool = Field(default=False, description="Disable CUDA graphs and torch.compile in vLLM.")
+    max_loras: int = Field(
+        default=4, ge=1, le=64, description="Adapters resident at once (at least the staleness window + 1)."
+    )
+    max_lora_rank: int = Field(default=64, description="Largest LoRA rank the server accepts.")
+    extra_engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra vLLM engine arguments (AsyncEngineArgs field names).",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+    health_path: str = Field(default="/health/", description="Health endpoint path used by probes and gates.")
+    authenticate_generation: bool = Field(
+        default=False, description="Require the run's bearer token on generation endpoints too."
+    )
+    shm_size: str = Field(
+        default="8Gi", description="Size of the /dev/shm memory volume.", pattern=QUANTITY_PATTERN
+    )
+    env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.", max_length=64)
+
+    @model_validator(mode="after")
+    def _rank_supported(self) -> ServerSpec:
+        if self.max_lora_rank not in VLLM_LORA_RANKS:
+            raise ValueError(f"maxLoraRank must be one of {list(VLLM_LORA_RANKS)}, got {self.max_lora_rank}")
+        return self
+
+
+class LoraSpec(ApiModel):
+    """The LoRA adapter trained on the policy (full fine-tuning is out of scope)."""
+
+    r: int = Field(default=16, description="LoRA rank; one of vLLM's supported ranks.")
+    alpha: int = Field(default=32, ge=1, description="LoRA alpha (scaling = alpha / r).")
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="LoRA dropout.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["all-linear"],
+        description="Modules to adapt; `all-linear` adapts every linear layer except lm_head.",
+        min_length=1,
+        max_length=64,
+    )
+    quantize_base: bool = Field(
+        default=False, description="QLoRA: load the base model in 4 bits (needs bitsandbytes and a GPU)."
+    )
+
+    @model_validator(mode="after")
+    def _adaptable(self) -> LoraSpec:
+        if self.r not in VLLM_LORA_RANKS:
+            raise ValueError(f"lora.r must be one of {list(VLLM_LORA_RANKS)}, got {self.r}")
+        forbidden = {"lm_head", "embed_tokens"} & set(self.target_modules)
+        if forbidden:
+            raise ValueError(f"lora.targetModules may not include {sorted(forbidden)}: vLLM cannot serve them")
+        return self
+
+
+class LossType(StrEnum):
+    GRPO = "grpo"
+    BNPO = "bnpo"
+    DR_GRPO = "dr_grpo"
+    DAPO = "dapo"
+    CISPO = "cispo"
+    SAPO = "sapo"
+    LUSPO = "luspo"
+
+
+class Level(StrEnum):
+    TOKEN = "token"
+    SEQUENCE = "sequence"
+
+
+class ImportanceSamplingMode(StrEnum):
+    TRUNCATE = "truncate"
+    MASK = "mask"
+
+
+class ImportanceSamplingSpec(ApiModel):
+    """Correction for the gap between the server's sampling policy and the trainer's policy."""
+
+    enabled: bool = Field(default=True, description="Weight the loss by the trainer/server probability ratio.")
+    level: Level = Field(default=Level.TOKEN, description="Ratio per token or per sequence.")
+    mode: ImportanceSamplingMode = Field(
+        default=ImportanceSamplingMode.MASK,
+        description="truncate clips large ratios to clipMax; mask drops tokens or sequences beyond it.",
+    )
+    clip_max: float = Field(default=3.0, gt=1.0, description="Upper bound C of the ratio.")
+
+
+class TrainerSpec(ApiModel):
+    """The GRPO trainer (TRL GRPOTrainer + PEFT LoRA) and its settings."""
+
+    image: str = Field(default="ghcr.io/grpo-dev/grpo-trainer:0.1.0", description="Trainer container image.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="Image pull policy."
+    )
+    resources: Resources = Field(default_factory=_gpu_resources, description="Trainer container resources.")
+    lora: LoraSpec = Field(default_factory=LoraSpec, description="LoRA adapter settings.")
+    num_generations: int = Field(default=8, ge=2, le=1024, description="Completions per prompt (the group).")
+    max_completion_length: int = Field(default=256, ge=1, description="Maximum generated tokens per completion.")
+    max_prompt_length: int | None = Field(
+        default=None, ge=1, description="Prompts longer than this (in tokens) are dropped from the dataset."
+    )
+    learning_rate: float = Field(default=1e-5, gt=0.0, le=1.0, description="Peak learning rate.")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
+        default="constant", description="Learning-rate schedule."
+    )
+    max_steps: int = Field(default=100, ge=1, description="Optimizer steps to train.")
+    per_device_batch_size: int = Field(
+        default=8, ge=1, description="Completions per device per micro-batch (prompts × generations)."
+    )
+    gradient_accumulation_steps: int = Field(default=1, ge=1, description="Micro-batches per optimizer step.")
+    beta: float = Field(default=0.0, ge=0.0, description="KL coefficient against the base model (0 disables).")
+    epsilon: float = Field(default=0.2, gt=0.0, lt=1.0, description="PPO clipping range.")
+    loss_type: LossType = Field(default=LossType.DAPO, description="Loss aggregation (TRL loss_type).")
+    ratio_level: Level = Field(
+        default=Level.TOKEN, description="PPO ratio per token (GRPO) or per sequence (GSPO)."
+    )
+    temperature: float = Field(default=1.0, gt=0.0, le=10.0, description="Sampling temperature.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
+    top_k: int = Field(default=0, ge=-1, description="Top-k sampling; 0 or -1 disables.")
+    importance_sampling: ImportanceSamplingSpec = Field(
+        default_factory=ImportanceSamplingSpec, description="Server/trainer importance-sampling correction."
+    )
+    off_policy_mask_threshold: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="Drop negative-advantage sequences whose mean log-ratio to the sampler exceeds this "
+        "(0.5 is a good start); unset disables.",
+    )
+    sync_interval: int = Field(default=1, ge=1, description="Publish the adapter every N optimizer steps.")
+    async_prefetch: bool = Field(
+        default=False, description="Generate the next batch while the current one trains."
+    )
+    prefetch_depth: int = Field(default=1, ge=1, le=8, description="Batches generated ahead with asyncPrefetch.")
+    checkpoint_interval: int = Field(default=10, ge=1, description="Write a resumable checkpoint every N steps.")
+    seed: int = Field(default=42, ge=0, description="Random seed (data order, sampling, initialisation).")
+    gradient_checkpointing: bool = Field(default=False, description="Trade compute for activation memory.")
+    generation_timeout_seconds: float = Field(
+        default=600.0, gt=0.0, description="Timeout of one generation request to the server."
+    )
+    metrics_port: int = Field(default=9400, ge=1, le=65535, description="Port of the trainer's /metrics.")
+    env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.", max_length=64)
+
+    @property
+    def generation_batch_size(self) -> int:
+        return self.per_device_batch_size * self.gradient_accumulation_steps
+
+    @model_validator(mode="after")
+    def _batch_divisible(self) -> TrainerSpec:
+        if self.generation_batch_size % self.num_generations != 0:
+            raise ValueError(
+                "perDeviceBatchSize × gradientAccumulationSteps "
+                f"({self.generation_batch_size}) must be divisible by numGenerations ({self.num_generations})"
+            )
+        return self
+
+
+class VolumeClaimSpec(ApiModel):
+    """An existing PersistentVolumeClaim to mount."""
+
+    existing_claim: str = Field(description="Name of the claim.", min_length=1, max_length=253)
+    mount_path: str = Field(default="/models", description="Where it is mounted in the containers.")
+
+
+class StorageSpec(ApiModel):
+    """The shared volume for adapters, checkpoints and progress; one of existingClaim or size."""
+
+    existing_claim: str | None = Field(
+        default=None, description="Use this PersistentVolumeClaim (it must allow the server and trainer pods).",
+        max_length=253,
+    )
+    size: str | None = Field(
+        default=None, description="Create a claim of this size for the run.", pattern=QUANTITY_PATTERN
+    )
+    storage_class_name: str | None = Field(default=None, description="Storage class of a created claim.")
+    access_modes: list[Literal["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod", "ReadOnlyMany"]] = Field(
+        default_factory=lambda: ["ReadWriteOnce"], description="Access modes of a created claim.", max_length=4
+    )
+    mount_path: str = Field(default="/data", description="Where the volume is mounted in the containers.")
+    model_cache: VolumeClaimSpec | None = Field(
+        default=None, description="Optional claim holding model weights (mounted read-only, HF_HOME)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> StorageSpec:
+        if (self.existing_claim is None) == (self.size is None):
+            raise ValueError("storage needs exactly one of existingClaim or size")
+        return self
+
+
+def _default_storage() -> StorageSpec:
+    return StorageSpec(size="20Gi")
+
+
+class CleanupPolicy(StrEnum):
+    STOP_SERVER = "StopServer"
+    KEEP_SERVER = "KeepServer"
+    DELETE_SERVER = "DeleteServer"
+
+
+class RunPolicy(ApiModel):
+    """Retries, deadlines and cleanup, with the meanings Kubernetes Jobs give them."""
+
+    backoff_limit: int = Field(
+        default=2, ge=0, le=100, description="Retries after a failed attempt; each starts a fresh server."
+    )
+    active_deadline_seconds: int | None = Field(
+        default=None, ge=1, description="Fail the run (DeadlineExceeded) after this long since it started."
+    )
+    server_ready_timeout_seconds: int = Field(
+        default=1200, ge=1, description="Fail the attempt (ServerNotReady) if the server is not healthy by then."
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        default=None, ge=0, description="Delete the run this long after it succeeded or failed."
+    )
+    suspend: bool = Field(
+        default=False, description="Stop the trainer and scale the server to 0; resuming continues from the "
+        "last checkpoint.",
+    )
+    cleanup_policy: CleanupPolicy = Field(
+        default=CleanupPolicy.STOP_SERVER,
+        description="On finish: StopServer scales it to 0, KeepServer leaves it serving the final adapter, "
+        "DeleteServer removes its Deployment and Service.",
+    )
+
+
+class Toleration(ApiModel):
+    """A Pod toleration."""
+
+    key: str | None = Field(default=None, description="Taint key.")
+    operator: Literal["Exists", "Equal"] | None = Field(default=None, description="Exists or Equal.")
+    value: str | None = Field(default=None, description="Taint value.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect."
+    )
+    toleration_seconds: int | None = Field(default=None, description="How long a NoExecute taint is tolerated.")
+
+
+class SchedulingSpec(ApiModel):
+    """Where the server and trainer pods may run."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the pods require.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Taints the pods tolerate.")
+    affinity: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Pod affinity (core/v1 Affinity).",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+    priority_class_name: str | None = Field(default=None, description="PriorityClass of the pods.")
+    runtime_class_name: str | None = Field(default=None, description="RuntimeClass of the pods.")
+    service_account_name: str | None = Field(
+        default=None, description="ServiceAccount of the pods; default is the namespace's default."
+    )
+
+
+IMMUTABLE = "{field} cannot change after the run is created"
+
+
+def _immutable(field: str) -> dict[str, Any]:
+    return {"x-kubernetes-validations": [_cel("self == oldSelf", IMMUTABLE.format(field=field))]}
+
+
+class GRPORunSpec(ApiModel):
+    """What to train, on what, and how: one GRPO post-training run."""
+
+    model: ModelSpec = Field(description="The base model.", json_schema_extra=_immutable("model"))
+    dataset: DatasetSpec = Field(description="The prompt dataset.", json_schema_extra=_immutable("dataset"))
+    rewards: list[RewardSpec] = Field(
+        description="Reward functions; the total reward is their weighted sum.",
+        min_length=1,
+        max_length=16,
+        json_schema_extra=_immutable("rewards"),
+    )
+    mode: Mode = Field(
+        default=Mode.SERVER,
+        description="server: a vLLM server Deployment plus a trainer Job; colocate: vLLM inside the trainer.",
+        json_schema_extra=_immutable("mode"),
+    )
+    server: ServerSpec | None = Field(
+        default=None,
+        description="The generation server (server mode only; defaults apply when omitted).",
+        json_schema_extra=_immutable("server"),
+    )
+    trainer: TrainerSpec = Field(
+        default_factory=TrainerSpec, description="The trainer.", json_schema_extra=_immutable("trainer")
+    )
+    storage: StorageSpec = Field(
+        default_factory=_default_storage,
+        description="Shared volume for adapters and checkpoints.",
+        json_schema_extra=_immutable("storage"),
+    )
+    run_policy: RunPolicy = Field(default_factory=RunPolicy, description="Retries, deadlines, suspend, cleanup.")
+    scheduling: SchedulingSpec = Field(
+        default_factory=SchedulingSpec,
+        description="Node placement of the pods.",
+        json_schema_extra=_immutable("scheduling"),
+    )
+
+    @model_validator(mode="after")
+    def _mode_matches_sections(self) -> GRPORunSpec:
+        if self.mode == Mode.COLOCATE and self.server is not None:
+            raise ValueError("mode colocate runs vLLM inside the trainer: remove the server section")
+        if self.mode == Mode.SERVER:
+            server = self.effective_server
+            if self.trainer.lora.r > server.max_lora_rank:
+                raise ValueError(
+                    f"trainer.lora.r ({self.trainer.lora.r}) exceeds server.maxLoraRank ({server.max_lora_rank})"
+                )
+        return self
+
+    @property
+    def effective_server(self) -> ServerSpec:
+        """The server section with defaults applied (server mode)."""
+        return self.server if self.server is not None else ServerSpec()
+
+
+#: CEL rules on the spec object: cross-field checks the API server enforces at admission.
+SPEC_RULES: list[dict[str, str]] = [
+    _cel(
+        "self.mode != 'colocate' || !has(self.server)",
+        "mode colocate runs vLLM inside the trainer: remove spec.server",
+        fieldPath=".server",
+        reason="FieldValueForbidden",
+    ),
+    _cel(
+        "!has(self.server) || !has(self.trainer) || !has(self.trainer.lora) || !has(self.server.maxLoraRank) "
+        "|| !has(self.trainer.lora.r) || self.trainer.lora.r <= self.server.maxLoraRank",
+        "spec.trainer.lora.r must not exceed spec.server.maxLoraRank",
+        fieldPath=".trainer.lora.r",
+    ),
+]
+
+TRAINER_RULES: list[dict[str, str]] = [
+    _cel(
+        "(self.perDeviceBatchSize * self.gradientAccumulationSteps) % self.numGenerations == 0",
+        "perDeviceBatchSize × gradientAccumulationSteps must be divisible by numGenerations",
+        fieldPath=".numGenerations",
+    ),
+]
+
+RANKS_CEL = "[" + ", ".join(str(r) for r in VLLM_LORA_RANKS) + "]"
+LORA_RULES: list[dict[str, str]] = [
+    _cel(f"self.r in {RANKS_CEL}", f"r must be one of {RANKS_CEL} (vLLM's supported LoRA ranks)",
+         fieldPath=".r"),
+    _cel(
+        "!self.targetModules.exists(m, m == 'lm_head' || m == 'embed_tokens')",
+        "targetModules may not include lm_head or embed_tokens: vLLM cannot serve such adapters",
+        fieldPath=".targetModules",
+    ),
+]
+SERVER_RULES: list[dict[str, str]] = [
+    _cel(f"self.maxLoraRank in {RANKS_CEL}", f"maxLoraRank must be one of {RANKS_CEL}",
+         fieldPath=".maxLoraRank"),
+]
+STORAGE_RULES: list[dict[str, str]] = [
+    _cel(
+        "has(self.existingClaim) != has(self.size)",
+        "storage needs exactly one of existingClaim or size",
+    ),
+]
+
+
+# -------------------------------------------------------------------------------------------- status
+
+
+class Phase(StrEnum):
+    PENDING = "Pending"
+    STARTING_SERVER = "StartingServer"
+    TRAINING = "Training"
+    SUSPENDED = "Suspended"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+TERMINAL_PHASES = frozenset({Phase.SUCCEEDED, Phase.FAILED})
+
+
+class Reason(StrEnum):
+    """Machine-readable reasons, a fixed set (used in status.reason and conditions)."""
+
+    CREATED = "Created"
+    WAITING_FOR_OLD_SERVER = "WaitingForOldServer"
+    SERVER_STARTING = "ServerStarting"
+    SERVER_READY = "HealthCheckPassed"
+    SERVER_NOT_READY = "ServerNotReady"
+    TRAINER_RUNNING = "TrainerRunning"
+    TRAINER_FAILED = "TrainerFailed"
+    RETRYING = "Retrying"
+    BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
+    DEADLINE_EXCEEDED = "DeadlineExceeded"
+    SUSPENDED = "Suspended"
+    RESUMED = "Resumed"
+    COMPLETED = "Completed"
+    INVALID_SPEC = "InvalidSpec"
+
+
+class ConditionType(StrEnum):
+    SERVER_READY = "ServerReady"
+    TRAINER_RUNNING = "TrainerRunning"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    SUSPENDED = "Suspended"
+
+
+class Condition(ApiModel):
+    """A metav1.Condition."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str = Field(description="Condition type, e.g. ServerReady.", max_length=316)
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(description="CamelCase reason of the last transition.", max_length=1024)
+    message: str = Field(default="", description="Human-readable detail.", max_length=32768)
+    last_transition_time: dt.datetime = Field(description="When status last changed.")
+    observed_generation: int | None = Field(default=None, description="Spec generation the condition reflects.")
+
+
+class ServerStatus(ApiModel):
+    """What the operator last saw of the attempt's server."""
+
+    boot_id: str | None = Field(default=None, description="Boot id of the server that passed the health gate.")
+    ready: bool = Field(default=False, description="The server answered its health check for this attempt.")
+    url: str | None = Field(default=None, description="In-cluster URL of the server.")
+
+
+class AdapterStatus(ApiModel):
+    """The latest adapter the trainer published."""
+
+    version: int | None = Field(default=None, description="Adapter version N (directory v<N>).")
+    path: str | None = Field(default=None, description="Adapter directory on the volume.")
+    loaded_at: dt.datetime | None = Field(default=None, description="When the server loaded it.")
+
+
+class ProgressStatus(ApiModel):
+    """Training progress as the trainer reports it."""
+
+    step: int = Field(default=0, description="Optimizer steps completed.")
+    max_steps: int = Field(default=0, description="Optimizer steps to train.")
+    reward_mean: float | None = Field(default=None, description="Mean total reward of the latest step.")
+
+
+class GRPORunStatus(ApiModel):
+    """Observed state of a run; written by the controller only."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    phase: Phase = Field(default=Phase.PENDING, description="Pending, StartingServer, Training, Suspended, "
+                         "Succeeded or Failed.")
+    reason: str | None = Field(default=None, description="Reason of the latest phase change.")
+    message: str | None = Field(default=None, description="Human-readable detail of the phase.")
+    observed_generation: int | None = Field(default=None, description="Spec generation last acted on.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Conditions (metav1.Condition), one per type.",
+        max_length=16,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    attempt: int = Field(default=0, description="Current attempt (1-based); each has a fresh server.")
+    attempt_started_at: dt.datetime | None = Field(
+        default=None, description="When the current attempt began waiting for its server."
+    )
+    server: ServerStatus = Field(default_factory=ServerStatus, description="The server of the attempt.")
+    adapter: AdapterStatus = Field(default_factory=AdapterStatus, description="The latest adapter.")
+    progress: ProgressStatus = Field(default_factory=ProgressStatus, description="Training progress.")
+    start_time: dt.datetime | None = Field(default=None, description="When the run started.")
+    completion_time: dt.datetime | None = Field(default=None, description="When the run succeeded or failed.")
+
+
+class ObjectMeta(ApiModel):
+    """The subset of metadata the tools read."""
+
+    model_config = ConfigDict(extra="ignore", alias_generator=to_camel, populate_by_name=True)
+
+    name: str = Field(default="run", description="Run name.")
+    namespace: str | None = Field(default=None, description="Namespace.")
+    uid: str | None = Field(default=None, description="UID.")
+    generation: int | None = Field(default=None, description="Generation.")
+    labels: dict[str, str] = Field(default_factory=dict, description="Labels.")
+    annotations: dict[str, str] = Field(default_factory=dict, description="Annotations.")
+
+
+class GRPORun(ApiModel):
+    """A GRPO post-training run: a vLLM server and a TRL trainer kept in step by the operator."""
+
+    api_version: Literal["grpo.dev/v1alpha1"] = Field(default=API_VERSION, description="API version.")
+    kind: Literal["GRPORun"] = Field(default=KIND, description="Kind.")
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta, description="Object metadata.")
+    spec: GRPORunSpec = Field(description="Desired run.")
+    status: GRPORunStatus | None = Field(default=None, description="Observed state.")

@@ -1,0 +1,173 @@
+"""The run-config: what the server and trainer read to know their run.
+
+The operator renders it from a `GRPORun` into a ConfigMap (mounted as a file,
+path in `$GRPO_RUN_CONFIG`); the local runner writes the same file into the
+run directory. Server and trainer also accept a plain `GRPORun` file, for
+which paths default to a directory beside the file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from grpo_api.models import GRPORun, GRPORunSpec
+from grpo_api.protocol import ENV_RUN_CONFIG, ENV_SERVER_URL, ENV_TOKEN, ENV_TOKEN_FILE
+
+RUN_CONFIG_KIND = "GRPORunConfig"
+RUN_CONFIG_FILE = "run-config.yaml"
+
+
+class RunRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="GRPORun name.")
+    namespace: str = Field(default="default", description="Namespace (local for `grpo run`).")
+    uid: str = Field(default="", description="GRPORun UID.")
+
+
+class RunPaths(BaseModel):
+    """Where things live on the shared volume (or the local run directory)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    volume_root: str = Field(description="Mount point of the shared volume.")
+    adapter_root: str = Field(description="Published adapters: <adapterRoot>/v<N>.")
+    checkpoint_dir: str = Field(description="Resumable checkpoints.")
+    progress_file: str = Field(description="The trainer's progress JSON.")
+
+    @classmethod
+    def under(cls, volume_root: str | Path, run_name: str) -> RunPaths:
+        root = Path(volume_root)
+        return cls(
+            volume_root=str(root),
+            adapter_root=str(root / "adapters" / run_name),
+            checkpoint_dir=str(root / "checkpoints" / run_name),
+            progress_file=str(root / "progress" / f"{run_name}.json"),
+        )
+
+
+class RunConfig(BaseModel):
+    """Everything a server or trainer process needs to know about its run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    api_version: str = Field(default="grpo.dev/v1alpha1", alias="apiVersion")
+    kind: Literal["GRPORunConfig"] = Field(default=RUN_CONFIG_KIND)
+    run: RunRef
+    spec: GRPORunSpec
+    paths: RunPaths
+    server_url: str = Field(description="Base URL of the generation server, as the trainer reaches it.")
+    token_file: str | None = Field(default=None, description="File holding the run's bearer token.")
+    base_dir: str = Field(
+        default="/", description="Directory that relative model and dataset paths are resolved against."
+    )
+
+    def resolve(self, path: str) -> Path:
+        """A spec path made absolute against base_dir."""
+        p = Path(path).expanduser()
+        return p if p.is_absolute() else (Path(self.base_dir) / p)
+
+    def read_token(self) -> str | None:
+        """The run's bearer token: $GRPO_TOKEN, else the token file."""
+        if token := os.environ.get(ENV_TOKEN):
+            return token.strip()
+        path = os.environ.get(ENV_TOKEN_FILE) or self.token_file
+        if path and Path(path).is_file():
+            return Path(path).read_text().strip()
+        return None
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json", by_alias=True), sort_keys=False)
+
+
+class RunConfigError(ValueError):
+    """A run-config or GRPORun file that cannot be used; the message names the file and field."""
+
+
+def format_validation_error(source: str, exc: ValidationError) -> str:
+    """One line per problem, each naming the field by its camelCase path."""
+    lines = [f"{source} is invalid:"]
+    for err in exc.errors():
+        loc = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in err["loc"]).replace(".[", "[")
+        lines.append(f"  {loc}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def parse_grporun(data: Any, source: str) -> GRPORun:
+    """Validate a GRPORun document; RunConfigError names the file and every bad field."""
+    if not isinstance(data, dict):
+        raise RunConfigError(f"{source}: expected a mapping (a GRPORun object), got {type(data).__name__}")
+    try:
+        return GRPORun.model_validate(data)
+    except ValidationError as exc:
+        raise RunConfigError(format_validation_error(source, exc)) from exc
+
+
+def load_grporun(path: Path) -> GRPORun:
+    """Read and validate a GRPORun YAML file."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError as exc:
+        raise RunConfigError(f"{path}: file not found") from exc
+    except yaml.YAMLError as exc:
+        raise RunConfigError(f"{path}: not valid YAML: {exc}") from exc
+    return parse_grporun(data, str(path))
+
+
+def run_config_for(
+    run: GRPORun,
+    *,
+    volume_root: str | Path,
+    server_url: str,
+    token_file: str | None,
+    base_dir: str | Path = "/",
+) -> RunConfig:
+    """The run-config for a run whose shared volume is mounted at volume_root."""
+    meta = run.metadata
+    return RunConfig(
+        run=RunRef(name=meta.name, namespace=meta.namespace or "default", uid=meta.uid or ""),
+        spec=run.spec,
+        paths=RunPaths.under(volume_root, meta.name),
+        server_url=server_url,
+        token_file=token_file,
+        base_dir=str(base_dir),
+    )
+
+
+def load_run_config(path: str | Path | None = None) -> RunConfig:
+    """Load a run-config (or a GRPORun file) from path, else from $GRPO_RUN_CONFIG.
+
+    A GRPORun file gets local defaults: the volume is `<file dir>/.grpo/<run>`,
+    relative paths resolve against the file's directory, the server URL comes
+    from $GRPO_SERVER_URL (default http://127.0.0.1:<server port>).
+    """
+    source = path or os.environ.get(ENV_RUN_CONFIG)
+    if not source:
+        raise RunConfigError(f"no run-config: pass --config FILE or set ${ENV_RUN_CONFIG}")
+    file = Path(source)
+    try:
+        data = yaml.safe_load(file.read_text())
+    except FileNotFoundError as exc:
+        raise RunConfigError(f"{file}: file not found") from exc
+    except yaml.YAMLError as exc:
+        raise RunConfigError(f"{file}: not valid YAML: {exc}") from exc
+    if isinstance(data, dict) and data.get("kind") == RUN_CONFIG_KIND:
+        try:
+            return RunConfig.model_validate(data)
+        except ValidationError as exc:
+            raise RunConfigError(format_validation_error(str(file), exc)) from exc
+    run = parse_grporun(data, str(file))
+    base = file.resolve().parent
+    port = run.spec.effective_server.port
+    return run_config_for(
+        run,
+        volume_root=base / ".grpo" / run.metadata.name,
+        server_url=os.environ.get(ENV_SERVER_URL, f"http://127.0.0.1:{port}"),
+        token_file=os.environ.get(ENV_TOKEN_FILE),
+        base_dir=base,
+    )
