@@ -113,7 +113,8 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
 def _schema_of(model: type[BaseModel]) -> dict[str, Any]:
     raw = model.model_json_schema(by_alias=True, mode="validation", schema_generator=_Generator)
     defs = raw.pop("$defs", {})
-    return _structural(raw, defs)  # type: ignore[no-any-return]
+    result: dict[str, Any] = _structural(raw, defs)
+    return result
 
 
 def _add_rules(node: dict[str, Any], rules: list[dict[str, str]]) -> None:

@@ -350,6 +350,13 @@ class VolumeClaimSpec(ApiModel):
     mount_path: str = Field(default="/models", description="Where it is mounted in the containers.")
 
 
+AccessMode = Literal["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod", "ReadOnlyMany"]
+
+
+def _rwo() -> list[AccessMode]:
+    return ["ReadWriteOnce"]
+
+
 class StorageSpec(ApiModel):
     """The shared volume for adapters, checkpoints and progress; one of existingClaim or size."""
 
@@ -361,8 +368,8 @@ class StorageSpec(ApiModel):
         default=None, description="Create a claim of this size for the run.", pattern=QUANTITY_PATTERN
     )
     storage_class_name: str | None = Field(default=None, description="Storage class of a created claim.")
-    access_modes: list[Literal["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod", "ReadOnlyMany"]] = Field(
-        default_factory=lambda: ["ReadWriteOnce"], description="Access modes of a created claim.", max_length=4
+    access_modes: list[AccessMode] = Field(
+        default_factory=_rwo, description="Access modes of a created claim.", max_length=4
     )
     mount_path: str = Field(default="/data", description="Where the volume is mounted in the containers.")
     model_cache: VolumeClaimSpec | None = Field(
@@ -670,8 +677,8 @@ class ObjectMeta(ApiModel):
 class GRPORun(ApiModel):
     """A GRPO post-training run: a vLLM server and a TRL trainer kept in step by the operator."""
 
-    api_version: Literal["grpo.dev/v1alpha1"] = Field(default=API_VERSION, description="API version.")
-    kind: Literal["GRPORun"] = Field(default=KIND, description="Kind.")
+    api_version: Literal["grpo.dev/v1alpha1"] = Field(default="grpo.dev/v1alpha1", description="API version.")
+    kind: Literal["GRPORun"] = Field(default="GRPORun", description="Kind.")
     metadata: ObjectMeta = Field(default_factory=ObjectMeta, description="Object metadata.")
     spec: GRPORunSpec = Field(description="Desired run.")
     status: GRPORunStatus | None = Field(default=None, description="Observed state.")

@@ -40,6 +40,11 @@ class RunPaths(BaseModel):
     checkpoint_dir: str = Field(description="Resumable checkpoints.")
     progress_file: str = Field(description="The trainer's progress JSON.")
 
+    @property
+    def history_file(self) -> str:
+        """Every step's progress record, one JSON line each (the local runner's reward curve)."""
+        return str(Path(self.progress_file).with_suffix(".history.jsonl"))
+
     @classmethod
     def under(cls, volume_root: str | Path, run_name: str) -> RunPaths:
         root = Path(volume_root)
@@ -57,7 +62,7 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     api_version: str = Field(default="grpo.dev/v1alpha1", alias="apiVersion")
-    kind: Literal["GRPORunConfig"] = Field(default=RUN_CONFIG_KIND)
+    kind: Literal["GRPORunConfig"] = Field(default="GRPORunConfig")
     run: RunRef
     spec: GRPORunSpec
     paths: RunPaths

@@ -45,7 +45,7 @@ class LazyGroup(click.Group):
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
-            if ctx.resilient_parsing or "--help" in sys.argv and cmd_name not in sys.argv:
+            if ctx.resilient_parsing or ("--help" in sys.argv and cmd_name not in sys.argv):
                 return click.Command(cmd_name, help=help_text)
             hint = f" (install the '{extra}' extra: pip install 'grpo-operator[{extra}]')" if extra else ""
             raise click.ClickException(f"grpo {cmd_name} is not available: {exc}{hint}") from exc

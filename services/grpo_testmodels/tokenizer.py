@@ -35,9 +35,7 @@ def corpus_files(stdlib: Path | None = None) -> list[Path]:
     """The stdlib's .py files in a sorted (hence stable) order."""
     root = stdlib or Path(sysconfig.get_paths()["stdlib"])
     files = sorted(
-        p
-        for p in root.rglob("*.py")
-        if p.is_file() and not _SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])
+        p for p in root.rglob("*.py") if p.is_file() and not _SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])
     )
     if not files:
         raise FileNotFoundError(f"no .py files under the Python standard library at {root}: cannot train a tokenizer")
@@ -60,7 +58,7 @@ def train_tokenizer(vocab_size: int, max_chars: int) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=list(SPECIAL_TOKENS),

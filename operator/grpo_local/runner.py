@@ -1,0 +1,322 @@
+"""The local executor of the run lifecycle: `grpo_api.lifecycle.decide` acted out with processes.
+
+The decisions are the operator's (same function, same inputs); only the
+effects differ: a server process stands for the server Deployment, a trainer
+process for the attempt's Job, and the run directory for the volume. A server
+process that dies is not restarted in place (there is no kubelet): its trainer
+fails, and the next attempt starts with a fresh server and resumes from the
+last checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import secrets
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from pydantic import ValidationError
+
+from grpo_api.lifecycle import (
+    Action,
+    CreateTrainer,
+    DeleteRun,
+    DeleteServer,
+    DeleteTrainer,
+    Emit,
+    EnsureServer,
+    HealthCheck,
+    Observation,
+    Provision,
+    RequeueAfter,
+    StopServer,
+    TrainerState,
+    decide,
+    wants_health,
+)
+from grpo_api.models import TERMINAL_PHASES, GRPORun, GRPORunStatus, Phase
+from grpo_api.protocol import (
+    ENV_ATTEMPT,
+    ENV_RUN_CONFIG,
+    ENV_SERVER_URL,
+    ENV_TOKEN_FILE,
+    HealthResponse,
+    TrainingProgress,
+)
+from grpo_api.runconfig import RUN_CONFIG_FILE, RunConfig, run_config_for
+from grpo_local.processes import Child
+
+#: The loop never sleeps longer than this, so the view and Ctrl-C stay responsive.
+MAX_TICK_SECONDS = 0.5
+HEALTH_TIMEOUT_SECONDS = 2.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class RunEvent:
+    at: dt.datetime
+    type: str
+    reason: str
+    message: str
+
+
+@dataclass
+class LocalRun:
+    """One GRPORun executed on this machine."""
+
+    run: GRPORun
+    run_file: Path
+    run_dir: Path
+    port: int
+    python: str = sys.executable
+    on_event: Callable[[RunEvent], None] | None = None
+    status: GRPORunStatus = field(default_factory=GRPORunStatus)
+    failed_attempts: tuple[int, ...] = ()
+    servers: dict[int, Child] = field(default_factory=dict)
+    trainers: dict[int, Child] = field(default_factory=dict)
+    events: list[RunEvent] = field(default_factory=list)
+    samples: list[TrainingProgress] = field(default_factory=list)
+    started_monotonic: float = field(default_factory=time.monotonic)
+
+    @property
+    def config(self) -> RunConfig:
+        return run_config_for(
+            self.run,
+            volume_root=self.run_dir,
+            server_url=f"http://127.0.0.1:{self.port}",
+            token_file=str(self.token_file),
+            base_dir=self.run_file.resolve().parent,
+        )
+
+    @property
+    def token_file(self) -> Path:
+        return self.run_dir / "token"
+
+    @property
+    def config_file(self) -> Path:
+        return self.run_dir / RUN_CONFIG_FILE
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.run_dir / "logs"
+
+    @property
+    def finished(self) -> bool:
+        return self.status.phase in TERMINAL_PHASES
+
+    # -- one reconcile step ----------------------------------------------------------------------
+
+    def step(self) -> float:
+        """Observe, decide, act, record; returns how long to wait before the next step."""
+        decision = decide(self.run.spec, self.status, self.observe(), failed_attempts=self.failed_attempts)
+        for action in decision.actions:
+            self.apply(action)
+        self.status = decision.status
+        self.failed_attempts = decision.failed_attempts
+        self.record()
+        delay = decision.requeue_after
+        return MAX_TICK_SECONDS if delay is None else max(0.05, min(delay, MAX_TICK_SECONDS))
+
+    def observe(self) -> Observation:
+        attempt = self.status.attempt
+        older = sum(1 for a, c in self.servers.items() if a < attempt and c.group_alive())
+        health = self.check_health() if wants_health(self.run.spec, self.status) else None
+        trainer, message = self.trainer_state(attempt)
+        progress = self.read_progress()
+        if progress is not None and (not self.samples or self.samples[-1].step != progress.step):
+            self.samples.append(progress)
+        return Observation(
+            now=dt.datetime.now(dt.UTC),
+            older_servers_alive=older,
+            health=health,
+            trainer=trainer,
+            trainer_message=message,
+            progress=progress,
+            server_url=self.config.server_url,
+        )
+
+    def check_health(self) -> HealthCheck:
+        server = self.servers.get(self.status.attempt)
+        url = self.config.server_url.rstrip("/") + self.run.spec.effective_server.health_path
+        try:
+            response = httpx.get(url, timeout=HEALTH_TIMEOUT_SECONDS)
+        except httpx.HTTPError as exc:
+            error = type(exc).__name__
+            if server is not None and server.poll() is not None:
+                error = f"server process exited with code {server.poll()}; see {server.log_path}"
+            return HealthCheck(reachable=False, error=error)
+        try:
+            body = HealthResponse.model_validate_json(response.content)
+        except ValidationError:
+            body = None
+        return HealthCheck(reachable=True, status_code=response.status_code, body=body)
+
+    def trainer_state(self, attempt: int) -> tuple[TrainerState, str]:
+        child = self.trainers.get(attempt)
+        if child is None:
+            return TrainerState.ABSENT, ""
+        code = child.poll()
+        if code is None:
+            return TrainerState.ACTIVE, ""
+        if code == 0:
+            return TrainerState.SUCCEEDED, ""
+        return TrainerState.FAILED, f"exit code {code}: {last_error_line(child.log_path)}"
+
+    def read_progress(self) -> TrainingProgress | None:
+        path = Path(self.config.paths.progress_file)
+        try:
+            return TrainingProgress.model_validate_json(path.read_text())
+        except (OSError, ValidationError):
+            return None
+
+    # -- actions ---------------------------------------------------------------------------------
+
+    def apply(self, action: Action) -> None:
+        if isinstance(action, Provision):
+            self.provision()
+        elif isinstance(action, EnsureServer):
+            self.ensure_server(action.attempt, action.replicas)
+        elif isinstance(action, (StopServer, DeleteServer)):
+            self.stop_servers()
+        elif isinstance(action, CreateTrainer):
+            self.create_trainer(action.attempt)
+        elif isinstance(action, DeleteTrainer):
+            child = self.trainers.get(action.attempt)
+            if child is not None and child.running:
+                child.stop()
+        elif isinstance(action, Emit):
+            event = RunEvent(dt.datetime.now(dt.UTC), action.type, action.reason, action.message)
+            self.events.append(event)
+            with (self.run_dir / "events.log").open("a") as f:
+                f.write(f"{event.at.isoformat()} {event.type} {event.reason}: {event.message}\n")
+            if self.on_event is not None:
+                self.on_event(event)
+        elif isinstance(action, (RequeueAfter, DeleteRun)):
+            pass  # the loop's pace; a local run has nothing to delete after its TTL
+
+    def provision(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        if not self.token_file.exists():
+            self.token_file.write_text(secrets.token_urlsafe(32))
+            self.token_file.chmod(0o600)
+        self.config_file.write_text(self.config.to_yaml())
+
+    def child_env(self, attempt: int) -> dict[str, str]:
+        return {
+            ENV_RUN_CONFIG: str(self.config_file),
+            ENV_TOKEN_FILE: str(self.token_file),
+            ENV_SERVER_URL: self.config.server_url,
+            ENV_ATTEMPT: str(attempt),
+            "GRPO_TRAINER_METRICS_PORT": os.environ.get("GRPO_TRAINER_METRICS_PORT", "0"),
+            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    def ensure_server(self, attempt: int, replicas: int) -> None:
+        for other, child in self.servers.items():
+            if other != attempt and child.group_alive():
+                child.stop()
+        if replicas < 1 or attempt in self.servers:
+            return
+        child = Child(
+            role="server",
+            attempt=attempt,
+            argv=[self.python, "-m", "grpo_cli.main", "serve", "--config", str(self.config_file),
+                  "--host", "127.0.0.1", "--port", str(self.port)],
+            log_path=self.logs_dir / f"server-attempt-{attempt}.log",
+            env=self.child_env(attempt),
+        )
+        child.start()
+        self.servers[attempt] = child
+
+    def stop_servers(self) -> None:
+        for child in self.servers.values():
+            if child.group_alive():
+                child.stop()
+
+    def create_trainer(self, attempt: int) -> None:
+        if attempt in self.trainers:
+            return
+        child = Child(
+            role="trainer",
+            attempt=attempt,
+            argv=[self.python, "-m", "grpo_cli.main", "train", "--config", str(self.config_file)],
+            log_path=self.logs_dir / f"trainer-attempt-{attempt}.log",
+            env=self.child_env(attempt),
+        )
+        child.start()
+        self.trainers[attempt] = child
+
+    def shutdown(self) -> None:
+        """End every child: trainers first (they talk to the server), then servers."""
+        for child in [*self.trainers.values(), *self.servers.values()]:
+            if child.group_alive():
+                child.stop()
+
+    def record(self) -> None:
+        record = {
+            "status": self.status.model_dump(mode="json", by_alias=True, exclude_none=True),
+            "failedAttempts": list(self.failed_attempts),
+        }
+        _write_json(self.run_dir / "status.json", record)
+        children = [
+            {"role": c.role, "attempt": c.attempt, "pid": c.pid, "log": str(c.log_path), "exitCode": c.poll()}
+            for c in [*self.servers.values(), *self.trainers.values()]
+        ]
+        _write_json(self.run_dir / "processes.json", {"port": self.port, "children": children})
+
+    # -- history for the summary -----------------------------------------------------------------
+
+    def history(self) -> list[TrainingProgress]:
+        """Every step's progress: the trainer's history file when present, else what the loop sampled."""
+        path = Path(self.config.paths.history_file)
+        rows: dict[int, TrainingProgress] = {}
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    item = TrainingProgress.model_validate_json(line)
+                except ValidationError:
+                    continue
+                rows[item.step] = item  # a resumed attempt may rewrite a step: keep the latest
+        for item in self.samples:
+            rows.setdefault(item.step, item)
+        return [rows[k] for k in sorted(rows) if k > 0]
+
+
+def _write_json(path: Path, data: object) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+
+
+def last_error_line(log_path: Path, limit: int = 300) -> str:
+    """The last non-empty line of a log that looks like an error, for status messages."""
+    try:
+        lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    for line in reversed(lines):
+        if any(word in line for word in ("Error", "error:", "Exception", "refused", "failed")):
+            return line[:limit]
+    return lines[-1][:limit] if lines else "empty log"
+
+
+def phase_label(status: GRPORunStatus) -> str:
+    label = str(status.phase)
+    if status.phase == Phase.STARTING_SERVER and status.reason:
+        label += f" ({status.reason})"
+    return label

@@ -1,0 +1,420 @@
+"""Pure manifest builders: a GRPORun in, the dict of one child object out.
+
+No API calls, no clock, no randomness (the token is passed in), so every child
+can be checked in a unit test. Names are deterministic, so "create" can be
+get-or-create; every child carries the run's ownerReference (garbage collection
+by the controller-manager) and the run's labels (selection by the operator).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from grpo_api.models import API_VERSION, KIND, GRPORun, Mode, Resources, ServerSpec
+from grpo_api.protocol import ENV_ATTEMPT, ENV_RUN_CONFIG, ENV_SERVER_URL, ENV_TOKEN_FILE
+from grpo_api.runconfig import RUN_CONFIG_FILE, run_config_for
+
+LABEL_PREFIX = "grpo.dev"
+RUN_LABEL = f"{LABEL_PREFIX}/run"
+COMPONENT_LABEL = f"{LABEL_PREFIX}/component"
+ATTEMPT_LABEL = f"{LABEL_PREFIX}/attempt"
+#: On the server pod template: bumping it replaces the pod (a fresh server per attempt).
+ATTEMPT_ANNOTATION = f"{LABEL_PREFIX}/attempt"
+#: On a GRPORun: where the operator polls health instead of the Service (tests, out-of-cluster runs).
+SERVER_URL_ANNOTATION = f"{LABEL_PREFIX}/server-url"
+MANAGED_BY = "grpo-operator"
+
+SERVER = "server"
+TRAINER = "trainer"
+CONFIG = "config"
+STORAGE = "storage"
+TOKEN = "token"
+
+CONFIG_DIR = "/etc/grpo"
+TOKEN_DIR = "/var/run/grpo/token"
+TOKEN_KEY = "token"
+RUN_CONFIG_PATH = f"{CONFIG_DIR}/{RUN_CONFIG_FILE}"
+TOKEN_PATH = f"{TOKEN_DIR}/{TOKEN_KEY}"
+NON_ROOT_UID = 1000
+
+#: Child names append at most "-trainer-" plus the attempt number to the run name, and a Job's name
+#: becomes a label value (63 characters at most).
+MAX_RUN_NAME = 48
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+class InvalidRunError(ValueError):
+    """A run whose children cannot be built; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ChildNames:
+    """Every child's name, decided before anything is created."""
+
+    run: str
+
+    @property
+    def config(self) -> str:
+        return f"{self.run}-config"
+
+    @property
+    def data(self) -> str:
+        return f"{self.run}-data"
+
+    @property
+    def token(self) -> str:
+        return f"{self.run}-token"
+
+    @property
+    def server(self) -> str:
+        """The server's Deployment and Service."""
+        return f"{self.run}-server"
+
+    def trainer(self, attempt: int) -> str:
+        return f"{self.run}-trainer-{attempt}"
+
+
+def child_names(run: GRPORun) -> ChildNames:
+    return ChildNames(run.metadata.name)
+
+
+def check_run(run: GRPORun) -> None:
+    """Refuse a run whose name cannot prefix its children (Service names are DNS-1035 labels)."""
+    name = run.metadata.name
+    if len(name) > MAX_RUN_NAME or not _DNS_LABEL.match(name):
+        raise InvalidRunError(
+            f"metadata.name {name!r} must start with a letter, hold only a-z, 0-9 and '-', and be at most "
+            f"{MAX_RUN_NAME} characters: the server Service and trainer Jobs are named after it"
+        )
+    if not run.metadata.uid:
+        raise InvalidRunError("metadata.uid is empty: children need it for their ownerReference")
+
+
+def volume_claim_name(run: GRPORun) -> str:
+    """The shared volume's claim: the named existing one, or the run's own."""
+    return run.spec.storage.existing_claim or child_names(run).data
+
+
+def server_url(run: GRPORun) -> str:
+    """The server's in-cluster address (Service DNS)."""
+    namespace = run.metadata.namespace or "default"
+    return f"http://{child_names(run).server}.{namespace}.svc:{run.spec.effective_server.port}"
+
+
+def labels(run: GRPORun, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": f"grpo-{component}",
+        "app.kubernetes.io/instance": run.metadata.name,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        "app.kubernetes.io/part-of": "grpo-operator",
+        RUN_LABEL: run.metadata.name,
+        COMPONENT_LABEL: component,
+    }
+
+
+def selector(run: GRPORun, component: str) -> dict[str, str]:
+    """Labels that select a run's children of one component (stable across attempts)."""
+    return {RUN_LABEL: run.metadata.name, COMPONENT_LABEL: component}
+
+
+def owner_reference(run: GRPORun) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": run.metadata.name,
+        "uid": run.metadata.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(
+    run: GRPORun,
+    name: str,
+    component: str,
+    extra_labels: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": run.metadata.namespace or "default",
+        "labels": {**labels(run, component), **(extra_labels or {})},
+        "ownerReferences": [owner_reference(run)],
+    }
+    if annotations:
+        meta["annotations"] = annotations
+    return meta
+
+
+# ----------------------------------------------------------------------------------- simple children
+
+
+def build_config_map(run: GRPORun) -> dict[str, Any]:
+    """The run-config both containers read ($GRPO_RUN_CONFIG), rendered from the spec."""
+    in_server_mode = run.spec.mode == Mode.SERVER
+    config = run_config_for(
+        run,
+        volume_root=run.spec.storage.mount_path,
+        # Colocate mode has no server to reach: the trainer runs vLLM itself.
+        server_url=server_url(run) if in_server_mode else "",
+        token_file=TOKEN_PATH if in_server_mode else None,
+        base_dir="/",
+    )
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(run, child_names(run).config, CONFIG),
+        "data": {RUN_CONFIG_FILE: config.to_yaml()},
+    }
+
+
+def build_token_secret(run: GRPORun, token: str) -> dict[str, Any]:
+    """The bearer token the server requires on mutating endpoints; the trainer presents it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _metadata(run, child_names(run).token, TOKEN),
+        "stringData": {TOKEN_KEY: token},
+    }
+
+
+def build_volume_claim(run: GRPORun) -> dict[str, Any] | None:
+    """The run's own claim for adapters, checkpoints and progress; None when an existing claim is named."""
+    storage = run.spec.storage
+    if storage.existing_claim is not None:
+        return None
+    spec: dict[str, Any] = {
+        "accessModes": list(storage.access_modes),
+        "resources": {"requests": {"storage": storage.size}},
+    }
+    if storage.storage_class_name is not None:
+        spec["storageClassName"] = storage.storage_class_name
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _metadata(run, child_names(run).data, STORAGE),
+        "spec": spec,
+    }
+
+
+def build_service(run: GRPORun) -> dict[str, Any]:
+    port = run.spec.effective_server.port
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(run, child_names(run).server, SERVER),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector(run, SERVER),
+            "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+# --------------------------------------------------------------------------------------- pod parts
+
+
+def _resources(resources: Resources) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if resources.requests:
+        out["requests"] = {k: str(v) for k, v in resources.requests.items()}
+    if resources.limits:
+        out["limits"] = {k: str(v) for k, v in resources.limits.items()}
+    return out
+
+
+def _volumes(run: GRPORun, shm_size: str) -> list[dict[str, Any]]:
+    names = child_names(run)
+    volumes: list[dict[str, Any]] = [
+        {"name": "run-config", "configMap": {"name": names.config}},
+        {"name": "data", "persistentVolumeClaim": {"claimName": volume_claim_name(run)}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}},
+    ]
+    if run.spec.mode == Mode.SERVER:
+        volumes.append({"name": "token", "secret": {"secretName": names.token, "defaultMode": 0o440}})
+    cache = run.spec.storage.model_cache
+    if cache is not None:
+        volumes.append(
+            {
+                "name": "model-cache",
+                "persistentVolumeClaim": {"claimName": cache.existing_claim, "readOnly": True},
+            }
+        )
+    return volumes
+
+
+def _mounts(run: GRPORun) -> list[dict[str, Any]]:
+    mounts: list[dict[str, Any]] = [
+        {"name": "run-config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "data", "mountPath": run.spec.storage.mount_path},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    if run.spec.mode == Mode.SERVER:
+        mounts.append({"name": "token", "mountPath": TOKEN_DIR, "readOnly": True})
+    cache = run.spec.storage.model_cache
+    if cache is not None:
+        mounts.append({"name": "model-cache", "mountPath": cache.mount_path, "readOnly": True})
+    return mounts
+
+
+def _env(run: GRPORun, attempt: int, extra: list[tuple[str, str]]) -> list[dict[str, str]]:
+    env = [
+        {"name": ENV_RUN_CONFIG, "value": RUN_CONFIG_PATH},
+        {"name": ENV_ATTEMPT, "value": str(attempt)},
+    ]
+    if run.spec.mode == Mode.SERVER:
+        env.append({"name": ENV_TOKEN_FILE, "value": TOKEN_PATH})
+    cache = run.spec.storage.model_cache
+    if cache is not None:
+        env.append({"name": "HF_HOME", "value": cache.mount_path})
+    # User variables come last so they may override ours on purpose.
+    env.extend({"name": name, "value": value} for name, value in extra)
+    return env
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _pod_spec(run: GRPORun, container: dict[str, Any], shm_size: str, restart_policy: str) -> dict[str, Any]:
+    scheduling = run.spec.scheduling
+    pod: dict[str, Any] = {
+        "restartPolicy": restart_policy,
+        # Neither container talks to the Kubernetes API.
+        "automountServiceAccountToken": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": NON_ROOT_UID,
+            "runAsGroup": NON_ROOT_UID,
+            "fsGroup": NON_ROOT_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": _volumes(run, shm_size),
+    }
+    if scheduling.node_selector:
+        pod["nodeSelector"] = dict(scheduling.node_selector)
+    if scheduling.tolerations:
+        pod["tolerations"] = [t.to_wire() for t in scheduling.tolerations]
+    if scheduling.affinity:
+        pod["affinity"] = scheduling.affinity
+    if scheduling.priority_class_name:
+        pod["priorityClassName"] = scheduling.priority_class_name
+    if scheduling.runtime_class_name:
+        pod["runtimeClassName"] = scheduling.runtime_class_name
+    if scheduling.service_account_name:
+        pod["serviceAccountName"] = scheduling.service_account_name
+    return pod
+
+
+# ------------------------------------------------------------------------------------------ server
+
+
+def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "failureThreshold": failures,
+    }
+
+
+def build_server_deployment(run: GRPORun, attempt: int, replicas: int) -> dict[str, Any]:
+    """The server of one attempt: a single pod, replaced (Recreate) when the attempt changes."""
+    server: ServerSpec = run.spec.effective_server
+    startup_period = 10
+    startup_failures = max(1, math.ceil(run.spec.run_policy.server_ready_timeout_seconds / startup_period))
+    container = {
+        "name": "server",
+        "image": server.image,
+        "imagePullPolicy": server.image_pull_policy,
+        "command": ["grpo", "serve", "--host", "0.0.0.0", "--port", str(server.port)],
+        "ports": [{"name": "http", "containerPort": server.port, "protocol": "TCP"}],
+        "env": _env(run, attempt, [(e.name, e.value) for e in server.env]),
+        "resources": _resources(server.resources),
+        "volumeMounts": _mounts(run),
+        # The startup probe covers the model load (as long as the operator's own deadline);
+        # readiness and liveness start after it, so they need no initial delay.
+        "startupProbe": _probe(server.health_path, startup_period, startup_failures),
+        "readinessProbe": _probe(server.health_path, 5, 3),
+        "livenessProbe": _probe(server.health_path, 10, 6),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": _container_security(),
+    }
+    attempt_mark = {ATTEMPT_LABEL: str(attempt)}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(
+            run, child_names(run).server, SERVER, annotations={ATTEMPT_ANNOTATION: str(attempt)}
+        ),
+        "spec": {
+            "replicas": replicas,
+            # One GPU pod: a rolling update would wait for a second GPU, and two servers would
+            # make "fresh server for this attempt" ambiguous.
+            "strategy": {"type": "Recreate"},
+            "revisionHistoryLimit": 2,
+            "progressDeadlineSeconds": max(600, run.spec.run_policy.server_ready_timeout_seconds + 60),
+            "selector": {"matchLabels": selector(run, SERVER)},
+            "template": {
+                "metadata": {
+                    "labels": {**labels(run, SERVER), **attempt_mark},
+                    "annotations": {ATTEMPT_ANNOTATION: str(attempt)},
+                },
+                "spec": _pod_spec(run, container, server.shm_size, "Always"),
+            },
+        },
+    }
+
+
+# ----------------------------------------------------------------------------------------- trainer
+
+
+def build_trainer_job(run: GRPORun, attempt: int) -> dict[str, Any]:
+    """The trainer of one attempt. The Job never retries itself: a retry needs a fresh server first."""
+    trainer = run.spec.trainer
+    extra = [(e.name, e.value) for e in trainer.env]
+    if run.spec.mode == Mode.SERVER:
+        extra.insert(0, (ENV_SERVER_URL, server_url(run)))
+    container = {
+        "name": "trainer",
+        "image": trainer.image,
+        "imagePullPolicy": trainer.image_pull_policy,
+        "command": ["grpo", "train"],
+        "ports": [{"name": "metrics", "containerPort": trainer.metrics_port, "protocol": "TCP"}],
+        "env": _env(run, attempt, extra),
+        "resources": _resources(trainer.resources),
+        "volumeMounts": _mounts(run),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": _container_security(),
+    }
+    attempt_mark = {ATTEMPT_LABEL: str(attempt)}
+    # Colocate mode runs vLLM inside the trainer, so it gets the server's shared-memory size.
+    shm_size = run.spec.effective_server.shm_size
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _metadata(
+            run, child_names(run).trainer(attempt), TRAINER, attempt_mark, {ATTEMPT_ANNOTATION: str(attempt)}
+        ),
+        "spec": {
+            "backoffLimit": 0,
+            "completions": 1,
+            "parallelism": 1,
+            "template": {
+                "metadata": {
+                    "labels": {**labels(run, TRAINER), **attempt_mark},
+                    "annotations": {ATTEMPT_ANNOTATION: str(attempt)},
+                },
+                "spec": _pod_spec(run, container, shm_size, "Never"),
+            },
+        },
+    }

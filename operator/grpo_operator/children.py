@@ -1,0 +1,155 @@
+"""What the operator knows of a run's children: small summaries built from watch events.
+
+kopf indexes keep one summary per child, keyed by the owning run's uid, so a reconcile
+reads the children without an API call. Pure functions of a raw object.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from grpo_api.lifecycle import TrainerState
+from grpo_api.models import KIND
+
+from grpo_operator.builders import ATTEMPT_ANNOTATION, ATTEMPT_LABEL
+
+
+@dataclass(frozen=True)
+class PodInfo:
+    name: str
+    attempt: int | None
+    ready: bool
+    terminating: bool
+    created: dt.datetime | None
+
+
+@dataclass(frozen=True)
+class DeploymentInfo:
+    name: str
+    owner: str | None
+    attempt: int | None
+    replicas: int
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    name: str
+    owner: str | None
+    attempt: int | None
+    state: TrainerState
+    message: str
+
+
+@dataclass(frozen=True)
+class Children:
+    """A snapshot of one run's server pods, server Deployment and trainer Jobs."""
+
+    pods: tuple[PodInfo, ...] = ()
+    deployment: DeploymentInfo | None = None
+    jobs: tuple[JobInfo, ...] = ()
+
+    def job(self, name: str) -> JobInfo | None:
+        return next((j for j in self.jobs if j.name == name), None)
+
+    def older_server_pods(self, attempt: int) -> list[PodInfo]:
+        """Server pods not of this attempt (unmarked ones count as older): they must be gone first."""
+        return [p for p in self.pods if p.attempt != attempt]
+
+    def ready_pod(self, attempt: int) -> PodInfo | None:
+        return next((p for p in self.pods if p.attempt == attempt and p.ready and not p.terminating), None)
+
+    def pod_of(self, attempt: int) -> PodInfo | None:
+        return next((p for p in self.pods if p.attempt == attempt and not p.terminating), None)
+
+
+def snapshot(
+    run_uid: str, pods: Iterable[PodInfo], deployments: Iterable[DeploymentInfo], jobs: Iterable[JobInfo]
+) -> Children:
+    """One run's children from the index entries under its (namespace, name).
+
+    Pods belong to the run's ReplicaSet, so they count by label (a pod left by an earlier run of
+    the same name must go away before a fresh server may start); Deployments and Jobs count only
+    when this run owns them (one of an earlier run of the same name is being garbage-collected).
+    """
+    owned_deployments = [d for d in deployments if d.owner == run_uid]
+    return Children(
+        pods=tuple(pods),
+        deployment=owned_deployments[0] if owned_deployments else None,
+        jobs=tuple(j for j in jobs if j.owner == run_uid),
+    )
+
+
+def owner_uid(meta: dict[str, Any]) -> str | None:
+    """The uid of the GRPORun controlling this object, if any."""
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("kind") == KIND and ref.get("controller"):
+            uid = ref.get("uid")
+            return str(uid) if uid else None
+    return None
+
+
+def _attempt(*sources: dict[str, Any] | None) -> int | None:
+    for source in sources:
+        value = (source or {}).get(ATTEMPT_ANNOTATION) or (source or {}).get(ATTEMPT_LABEL)
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def _time(value: Any) -> dt.datetime | None:
+    if not value:
+        return None
+    return dt.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+
+
+def pod_info(body: dict[str, Any]) -> PodInfo:
+    meta = body.get("metadata") or {}
+    conditions = (body.get("status") or {}).get("conditions") or []
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    return PodInfo(
+        name=meta.get("name", ""),
+        attempt=_attempt(meta.get("annotations"), meta.get("labels")),
+        ready=ready,
+        terminating=meta.get("deletionTimestamp") is not None,
+        created=_time(meta.get("creationTimestamp")),
+    )
+
+
+def deployment_info(body: dict[str, Any]) -> DeploymentInfo:
+    meta = body.get("metadata") or {}
+    spec = body.get("spec") or {}
+    template_meta = (spec.get("template") or {}).get("metadata") or {}
+    return DeploymentInfo(
+        name=meta.get("name", ""),
+        owner=owner_uid(meta),
+        attempt=_attempt(template_meta.get("annotations")),
+        replicas=int(spec.get("replicas", 1)),
+    )
+
+
+def job_info(body: dict[str, Any]) -> JobInfo:
+    """Complete/Failed only once the Job controller says so (its pods are gone by then)."""
+    meta = body.get("metadata") or {}
+    conditions = (body.get("status") or {}).get("conditions") or []
+    state, message = TrainerState.ACTIVE, ""
+    for cond in conditions:
+        if cond.get("status") != "True":
+            continue
+        if cond.get("type") == "Complete":
+            state, message = TrainerState.SUCCEEDED, str(cond.get("message") or "")
+        elif cond.get("type") == "Failed":
+            detail = ": ".join(str(v) for v in (cond.get("reason"), cond.get("message")) if v)
+            state, message = TrainerState.FAILED, detail
+    return JobInfo(
+        name=meta.get("name", ""),
+        owner=owner_uid(meta),
+        attempt=_attempt(meta.get("annotations"), meta.get("labels")),
+        state=state,
+        message=message,
+    )

@@ -1,0 +1,33 @@
+"""The server's health endpoint, as the operator checks it before it lets a trainer start."""
+
+from __future__ import annotations
+
+import httpx
+from grpo_api.lifecycle import HealthCheck
+from grpo_api.protocol import HealthResponse
+from pydantic import ValidationError
+
+#: Short: a reconcile waits for this, and a server that is slow to answer is not ready anyway.
+DEFAULT_TIMEOUT_SECONDS = 2.0
+
+
+class HealthClient:
+    """GET <base url><health path>, parsed into the lifecycle's HealthCheck. Safe to share across threads."""
+
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> None:
+        self._client = httpx.Client(timeout=timeout, follow_redirects=False)
+
+    def check(self, base_url: str, path: str) -> HealthCheck:
+        url = base_url.rstrip("/") + "/" + path.lstrip("/")
+        try:
+            response = self._client.get(url)
+        except httpx.HTTPError as exc:
+            return HealthCheck(reachable=False, error=f"{type(exc).__name__}: {exc}"[:300])
+        try:
+            body: HealthResponse | None = HealthResponse.model_validate_json(response.content)
+        except ValidationError:
+            body = None
+        return HealthCheck(reachable=True, status_code=response.status_code, body=body)
+
+    def close(self) -> None:
+        self._client.close()

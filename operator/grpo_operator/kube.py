@@ -1,0 +1,204 @@
+"""The Kubernetes API as the reconciler uses it: create-if-absent, delete-if-present, patch, status.
+
+A thin layer over the official client: "already exists" on create and "not found" on
+delete are success (names are deterministic, so a repeated action is harmless), every
+request is counted in `grpo_operator_api_requests_total`, and objects go in and come
+out as plain dicts (the builders' output).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Callable
+from typing import Any
+
+from grpo_api.models import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+from kubernetes.config.config_exception import ConfigException
+
+from grpo_operator import metrics
+
+MERGE_PATCH = "application/merge-patch+json"
+FIELD_MANAGER = "grpo-operator"
+#: Requests that hang must not stall a reconcile thread for long.
+REQUEST_TIMEOUT_SECONDS = 15
+
+
+def load_api_client() -> client.ApiClient:
+    """In-cluster credentials when running in a pod, else $KUBECONFIG / ~/.kube/config."""
+    try:
+        config.load_incluster_config()
+    except ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+class KubeClient:
+    def __init__(self, api_client: client.ApiClient) -> None:
+        self.api = api_client
+        self.core = client.CoreV1Api(api_client)
+        self.apps = client.AppsV1Api(api_client)
+        self.batch = client.BatchV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+
+    def _call(self, verb: str, kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        metrics.API_REQUESTS.labels(verb=verb, kind=kind).inc()
+        return fn(*args, _request_timeout=REQUEST_TIMEOUT_SECONDS, **kwargs)
+
+    # -- children --------------------------------------------------------------------------------
+
+    def _creator(self, kind: str) -> Callable[..., Any]:
+        creators: dict[str, Callable[..., Any]] = {
+            "ConfigMap": self.core.create_namespaced_config_map,
+            "Secret": self.core.create_namespaced_secret,
+            "PersistentVolumeClaim": self.core.create_namespaced_persistent_volume_claim,
+            "Service": self.core.create_namespaced_service,
+            "Deployment": self.apps.create_namespaced_deployment,
+            "Job": self.batch.create_namespaced_job,
+        }
+        return creators[kind]
+
+    def create_if_absent(self, obj: dict[str, Any]) -> bool:
+        """Create the object; False when it already existed (which is fine: names are deterministic)."""
+        kind, namespace = obj["kind"], obj["metadata"]["namespace"]
+        try:
+            self._call("create", kind, self._creator(kind), namespace, obj, field_manager=FIELD_MANAGER)
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
+    def patch_deployment(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        self._call(
+            "patch",
+            "Deployment",
+            self.apps.patch_namespaced_deployment,
+            name,
+            namespace,
+            patch,
+            field_manager=FIELD_MANAGER,
+            _content_type=MERGE_PATCH,
+        )
+
+    def delete_if_present(self, kind: str, namespace: str, name: str) -> bool:
+        """Delete in the background (dependents go with it); False when it was not there."""
+        deleters: dict[str, Callable[..., Any]] = {
+            "Service": self.core.delete_namespaced_service,
+            "Deployment": self.apps.delete_namespaced_deployment,
+            "Job": self.batch.delete_namespaced_job,
+        }
+        try:
+            self._call("delete", kind, deleters[kind], name, namespace, propagation_policy="Background")
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    def read_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            response = self._call(
+                "get", "Job", self.batch.read_namespaced_job, name, namespace, _preload_content=False
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        body: dict[str, Any] = json.loads(response.data)
+        return body
+
+    # -- the run itself --------------------------------------------------------------------------
+
+    def read_run(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            body: dict[str, Any] = self._call(
+                "get", KIND, self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return body
+
+    def patch_run_status(self, namespace: str, name: str, status: dict[str, Any]) -> str:
+        """Merge-patch the status subresource; returns the new resourceVersion."""
+        body: dict[str, Any] = self._call(
+            "patch",
+            f"{KIND}/status",
+            self.custom.patch_namespaced_custom_object_status,
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            name,
+            {"status": status},
+            field_manager=FIELD_MANAGER,
+            _content_type=MERGE_PATCH,
+        )
+        return str(body["metadata"]["resourceVersion"])
+
+    def patch_run_annotations(self, namespace: str, name: str, annotations: dict[str, str | None]) -> str:
+        body: dict[str, Any] = self._call(
+            "patch",
+            KIND,
+            self.custom.patch_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            name,
+            {"metadata": {"annotations": annotations}},
+            field_manager=FIELD_MANAGER,
+            _content_type=MERGE_PATCH,
+        )
+        return str(body["metadata"]["resourceVersion"])
+
+    def delete_run(self, namespace: str, name: str, uid: str) -> bool:
+        try:
+            self._call(
+                "delete",
+                KIND,
+                self.custom.delete_namespaced_custom_object,
+                GROUP,
+                VERSION,
+                namespace,
+                PLURAL,
+                name,
+                propagation_policy="Background",
+                body=client.V1DeleteOptions(preconditions={"uid": uid}),
+            )
+        except ApiException as exc:
+            if exc.status in (404, 409):
+                return False
+            raise
+        return True
+
+    def create_event(
+        self, namespace: str, name: str, uid: str, type_: str, reason: str, message: str
+    ) -> None:
+        now = dt.datetime.now(dt.UTC)
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{name}.", "namespace": namespace},
+            "involvedObject": {
+                "apiVersion": API_VERSION,
+                "kind": KIND,
+                "name": name,
+                "namespace": namespace,
+                "uid": uid,
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": FIELD_MANAGER},
+            "reportingComponent": FIELD_MANAGER,
+            "reportingInstance": FIELD_MANAGER,
+            "firstTimestamp": now.isoformat(),
+            "lastTimestamp": now.isoformat(),
+            "count": 1,
+        }
+        self._call("create", "Event", self.core.create_namespaced_event, namespace, event)

@@ -1,0 +1,111 @@
+"""The Kubernetes permissions the operator needs, and no more: one list, rendered for the chart.
+
+`APPLICATION_RULES` are what the reconciler does to runs and their children; `FRAMEWORK_RULES`
+are what kopf needs to watch (CRD discovery, namespaces for cluster-wide or glob watching).
+The control-plane tests run the operator under exactly these rules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpo_api.models import GROUP, PLURAL
+
+PolicyRule = dict[str, list[str]]
+
+APPLICATION_RULES: list[PolicyRule] = [
+    # Watch runs (kopf), add/remove its finalizer and progress annotations, delete after the TTL.
+    {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["get", "list", "watch", "patch", "delete"]},
+    {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["get", "patch"]},
+    # ownerReferences with blockOwnerDeletion need update on the owner's finalizers subresource.
+    {"apiGroups": [GROUP], "resources": [f"{PLURAL}/finalizers"], "verbs": ["update"]},
+    # Children created once per attempt ("already exists" is success); they are deleted by GC.
+    {
+        "apiGroups": [""],
+        "resources": ["configmaps", "secrets", "persistentvolumeclaims"],
+        "verbs": ["create"],
+    },
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["create", "delete"]},
+    # Watched through kopf indexes, so a reconcile reads them without an API call.
+    {
+        "apiGroups": ["apps"],
+        "resources": ["deployments"],
+        "verbs": ["list", "watch", "create", "patch", "delete"],
+    },
+    {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "list", "watch", "create", "delete"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+]
+
+FRAMEWORK_RULES: list[PolicyRule] = [
+    {
+        "apiGroups": ["apiextensions.k8s.io"],
+        "resources": ["customresourcedefinitions"],
+        "verbs": ["list", "watch"],
+    },
+    {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
+]
+
+RULES: list[PolicyRule] = APPLICATION_RULES + FRAMEWORK_RULES
+
+
+def _labels() -> dict[str, str]:
+    return {"app.kubernetes.io/name": "grpo-operator", "app.kubernetes.io/part-of": "grpo-operator"}
+
+
+def render_rbac(
+    name: str, service_account: str, service_account_namespace: str, namespaces: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """ClusterRole + ClusterRoleBinding (cluster-wide), or per-namespace Roles + RoleBindings for the
+    application rules plus a ClusterRole + binding for the cluster-scoped framework rules."""
+    subject = {"kind": "ServiceAccount", "name": service_account, "namespace": service_account_namespace}
+    if not namespaces:
+        return [
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "ClusterRole",
+                "metadata": {"name": name, "labels": _labels()},
+                "rules": RULES,
+            },
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "ClusterRoleBinding",
+                "metadata": {"name": name, "labels": _labels()},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+                "subjects": [subject],
+            },
+        ]
+    objects: list[dict[str, Any]] = [
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": name, "labels": _labels()},
+            "rules": FRAMEWORK_RULES,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": name, "labels": _labels()},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+            "subjects": [subject],
+        },
+    ]
+    for namespace in namespaces:
+        objects.append(
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "Role",
+                "metadata": {"name": name, "namespace": namespace, "labels": _labels()},
+                "rules": APPLICATION_RULES,
+            }
+        )
+        objects.append(
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "RoleBinding",
+                "metadata": {"name": name, "namespace": namespace, "labels": _labels()},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+                "subjects": [subject],
+            }
+        )
+    return objects

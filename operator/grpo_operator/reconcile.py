@@ -1,0 +1,356 @@
+"""One reconcile of one run: observe the world, let the shared lifecycle decide, act, record.
+
+Level-based and idempotent: it compares the spec and the recorded status with what exists
+(children from kopf's indexes, the trainer Job, the server's health) and never relies on
+having seen an event. The decision is `grpo_api.lifecycle.decide` (the same one `grpo run`
+uses); this module only turns its actions into Kubernetes requests. The status is written
+once per reconcile, and only when it changed; events are posted after it is recorded.
+
+Runs in a worker thread (the Kubernetes client and the health check block).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from grpo_api.lifecycle import (
+    CreateTrainer,
+    Decision,
+    DeleteRun,
+    DeleteServer,
+    DeleteTrainer,
+    Emit,
+    EnsureServer,
+    HealthCheck,
+    Observation,
+    Provision,
+    RequeueAfter,
+    StopServer,
+    TrainerState,
+    decide,
+    reject,
+    wants_health,
+)
+from grpo_api.models import GRPORun, GRPORunStatus, Mode, Phase, Reason
+from grpo_api.runconfig import format_validation_error
+from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
+from urllib3.exceptions import HTTPError as Urllib3HTTPError
+
+from grpo_operator import builders, metrics
+from grpo_operator.children import Children, job_info
+from grpo_operator.health import DEFAULT_TIMEOUT_SECONDS, HealthClient
+from grpo_operator.kube import KubeClient
+
+log = logging.getLogger("grpo_operator")
+
+#: Attempt numbers that failed, on the run (status has no field for them yet).
+FAILED_ATTEMPTS_ANNOTATION = f"{builders.LABEL_PREFIX}/failed-attempts"
+FAILURE_REASONS = frozenset(
+    {
+        Reason.TRAINER_FAILED,
+        Reason.SERVER_NOT_READY,
+        Reason.BACKOFF_LIMIT_EXCEEDED,
+        Reason.DEADLINE_EXCEEDED,
+        Reason.INVALID_SPEC,
+    }
+)
+MIN_REQUEUE_SECONDS = 0.2
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """Settings of one operator process (from `grpo operator` flags)."""
+
+    reconcile_interval: float = 10.0
+    allow_server_url_override: bool = False
+    health_timeout: float = DEFAULT_TIMEOUT_SECONDS
+    workers: int = 16
+    metrics_port: int = 9090
+
+
+@dataclass
+class Runtime:
+    """What reconciles share in one operator process: clients, config and a little memory."""
+
+    config: OperatorConfig
+    kube: KubeClient
+    health: HealthClient
+    executor: ThreadPoolExecutor
+    #: The resourceVersion of each run as this process last wrote or read it: a kopf body older
+    #: than our own write is refreshed with a GET instead of being decided on.
+    known_versions: dict[str, str] = field(default_factory=dict)
+    phases: dict[str, str] = field(default_factory=dict)
+    last_errors: dict[str, str] = field(default_factory=dict)
+    last_reconcile: float = field(default_factory=time.monotonic)
+
+    def forget(self, uid: str) -> None:
+        self.known_versions.pop(uid, None)
+        self.phases.pop(uid, None)
+        self.last_errors.pop(uid, None)
+        metrics.set_runs_by_phase(self.phases)
+
+
+def reconcile(rt: Runtime, body: dict[str, Any], children: Children) -> float:
+    """Reconcile one run; returns the seconds until it should be reconciled again."""
+    meta = body.get("metadata") or {}
+    uid = str(meta.get("uid", ""))
+    started = time.monotonic()
+    try:
+        delay = _reconcile(rt, body, children)
+        rt.last_errors.pop(uid, None)
+    except ApiException as exc:
+        _failed(rt, meta, f"API {exc.status} {exc.reason}: {str(exc.body)[:300]}", f"api_{exc.status}")
+        delay = rt.config.reconcile_interval
+    except Urllib3HTTPError as exc:
+        _failed(rt, meta, f"API unreachable: {exc}", "api_unreachable")
+        delay = rt.config.reconcile_interval
+    finally:
+        metrics.RECONCILE_DURATION.observe(time.monotonic() - started)
+        rt.last_reconcile = time.monotonic()
+        metrics.LAST_RECONCILE.set(time.time())
+    return delay
+
+
+def _failed(rt: Runtime, meta: dict[str, Any], message: str, error: str) -> None:
+    """Count and log a failed reconcile; post one Warning per distinct error (not one per retry)."""
+    metrics.RECONCILE_ERRORS.labels(error=error).inc()
+    name, namespace, uid = meta.get("name", ""), meta.get("namespace", ""), str(meta.get("uid", ""))
+    log.warning("reconcile of %s/%s failed: %s", namespace, name, message)
+    if rt.last_errors.get(uid) == message:
+        return
+    rt.last_errors[uid] = message
+    try:
+        rt.kube.create_event(namespace, name, uid, "Warning", "ReconcileError", message)
+    except (ApiException, Urllib3HTTPError) as exc:
+        log.warning("could not post the ReconcileError event of %s/%s: %s", namespace, name, exc)
+
+
+def _reconcile(rt: Runtime, body: dict[str, Any], children: Children) -> float:
+    meta = body["metadata"]
+    uid, namespace, name = str(meta["uid"]), str(meta["namespace"]), str(meta["name"])
+    if meta.get("deletionTimestamp"):
+        return rt.config.reconcile_interval
+    known = rt.known_versions.get(uid)
+    if known is not None and known != meta.get("resourceVersion"):
+        fresh = rt.kube.read_run(namespace, name)
+        if fresh is None or fresh["metadata"]["uid"] != uid:
+            return rt.config.reconcile_interval
+        body, meta = fresh, fresh["metadata"]
+    rt.known_versions[uid] = str(meta.get("resourceVersion"))
+
+    raw_status: dict[str, Any] = body.get("status") or {}
+    status = GRPORunStatus.model_validate(raw_status)
+    now = dt.datetime.now(dt.UTC)
+    generation = meta.get("generation")
+    failed = _failed_attempts(meta)
+
+    try:
+        run = GRPORun.model_validate({"metadata": meta, "spec": body.get("spec")})
+        builders.check_run(run)
+    except (ValidationError, builders.InvalidRunError) as exc:
+        message = (
+            format_validation_error(f"GRPORun {namespace}/{name}", exc)
+            if isinstance(exc, ValidationError)
+            else str(exc)
+        )
+        decision = replace(reject(status, message, now, generation=generation), failed_attempts=failed)
+        _record(rt, meta, raw_status, status, decision, failed)
+        return rt.config.reconcile_interval
+
+    observed = observe(rt, run, status, children, now)
+    decision = decide(run.spec, status, observed, failed_attempts=failed, generation=generation)
+    deleted = execute(rt, run, children, decision)
+    if not deleted:
+        _record(rt, meta, raw_status, status, decision, failed)
+        _count(rt, run, status, decision, children, now)
+    delay = decision.requeue_after
+    interval = rt.config.reconcile_interval
+    return max(MIN_REQUEUE_SECONDS, min(delay, interval) if delay is not None else interval)
+
+
+# -------------------------------------------------------------------------------------------- observe
+
+
+def observe(
+    rt: Runtime, run: GRPORun, status: GRPORunStatus, children: Children, now: dt.datetime
+) -> Observation:
+    """The lifecycle's view of the world: older servers, the trainer of this attempt, the server's health."""
+    attempt = status.attempt
+    server_mode = run.spec.mode == Mode.SERVER
+    older = len(children.older_server_pods(attempt)) if server_mode and attempt > 0 else 0
+    trainer, trainer_message = trainer_state(rt, run, status, children)
+    service_url = builders.server_url(run)
+    override = _server_url_override(rt, run)
+    health: HealthCheck | None = None
+    waiting_for_old = status.phase == Phase.STARTING_SERVER and older > 0
+    if wants_health(run.spec, status) and not waiting_for_old:
+        path = run.spec.effective_server.health_path
+        if override is not None:
+            health = rt.health.check(override, path)
+        elif children.ready_pod(attempt) is not None:
+            health = rt.health.check(service_url, path)
+        else:
+            # Without a Ready pod the Service has no endpoint: skip the HTTP call.
+            health = HealthCheck(reachable=False, error=f"no ready server pod of attempt {attempt} yet")
+    return Observation(
+        now=now,
+        older_servers_alive=older,
+        health=health,
+        trainer=trainer,
+        trainer_message=trainer_message,
+        server_url=(override or service_url) if server_mode else None,
+    )
+
+
+def trainer_state(
+    rt: Runtime, run: GRPORun, status: GRPORunStatus, children: Children
+) -> tuple[TrainerState, str]:
+    if status.attempt < 1:
+        return TrainerState.ABSENT, ""
+    name = builders.child_names(run).trainer(status.attempt)
+    job = children.job(name)
+    if job is None and status.phase == Phase.TRAINING:
+        # The index may lag behind a Job created moments ago: ask before calling it gone.
+        raw = rt.kube.read_job(run.metadata.namespace or "default", name)
+        job = job_info(raw) if raw is not None else None
+    if job is None:
+        return TrainerState.ABSENT, ""
+    return job.state, job.message
+
+
+def _server_url_override(rt: Runtime, run: GRPORun) -> str | None:
+    if not rt.config.allow_server_url_override:
+        return None
+    return run.metadata.annotations.get(builders.SERVER_URL_ANNOTATION) or None
+
+
+# -------------------------------------------------------------------------------------------- execute
+
+
+def execute(rt: Runtime, run: GRPORun, children: Children, decision: Decision) -> bool:
+    """Carry out the decision's actions; True when the run itself was deleted."""
+    namespace = run.metadata.namespace or "default"
+    names = builders.child_names(run)
+    deployment = children.deployment
+    for action in decision.actions:
+        match action:
+            case Provision():
+                provision(rt, run)
+            case EnsureServer(attempt=attempt, replicas=replicas):
+                desired = builders.build_server_deployment(run, attempt, replicas)
+                if deployment is None:
+                    rt.kube.create_if_absent(desired)
+                elif deployment.attempt != attempt or deployment.replicas != replicas:
+                    rt.kube.patch_deployment(
+                        namespace,
+                        names.server,
+                        {
+                            "metadata": {"annotations": desired["metadata"]["annotations"]},
+                            "spec": desired["spec"],
+                        },
+                    )
+            case StopServer():
+                if deployment is not None and deployment.replicas != 0:
+                    rt.kube.patch_deployment(namespace, names.server, {"spec": {"replicas": 0}})
+            case DeleteServer():
+                if deployment is not None:
+                    rt.kube.delete_if_present("Service", namespace, names.server)
+                    rt.kube.delete_if_present("Deployment", namespace, names.server)
+            case CreateTrainer(attempt=attempt):
+                if children.job(names.trainer(attempt)) is None:
+                    rt.kube.create_if_absent(builders.build_trainer_job(run, attempt))
+            case DeleteTrainer(attempt=attempt):
+                rt.kube.delete_if_present("Job", namespace, names.trainer(attempt))
+            case DeleteRun():
+                log.info("deleting %s/%s: ttlSecondsAfterFinished passed", namespace, run.metadata.name)
+                rt.kube.delete_run(namespace, run.metadata.name, run.metadata.uid or "")
+                return True
+            case Emit() | RequeueAfter():
+                pass  # events are posted once the status is recorded; requeues are returned
+    return False
+
+
+def provision(rt: Runtime, run: GRPORun) -> None:
+    """Run-config, volume claim, token and Service: created once, kept as they are if they exist."""
+    objects = [builders.build_config_map(run), builders.build_volume_claim(run)]
+    if run.spec.mode == Mode.SERVER:
+        objects += [builders.build_token_secret(run, secrets.token_urlsafe(32)), builders.build_service(run)]
+    for obj in objects:
+        if obj is not None:
+            rt.kube.create_if_absent(obj)
+
+
+# --------------------------------------------------------------------------------------------- record
+
+
+def _failed_attempts(meta: dict[str, Any]) -> tuple[int, ...]:
+    raw = (meta.get("annotations") or {}).get(FAILED_ATTEMPTS_ANNOTATION, "")
+    return tuple(sorted({int(part) for part in raw.split(",") if part.strip().isdigit()}))
+
+
+def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) that turns old into new."""
+    patch: dict[str, Any] = {}
+    for key in old.keys() - new.keys():
+        patch[key] = None
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, dict) and isinstance(before, dict):
+            nested = merge_patch(before, value)
+            if nested:
+                patch[key] = nested
+        elif value != before or key not in old:
+            patch[key] = value
+    return patch
+
+
+def _record(
+    rt: Runtime,
+    meta: dict[str, Any],
+    raw_status: dict[str, Any],
+    status: GRPORunStatus,
+    decision: Decision,
+    failed: tuple[int, ...],
+) -> None:
+    """Failed attempts first, then the status (only if changed), then the events of the transition."""
+    namespace, name, uid = str(meta["namespace"]), str(meta["name"]), str(meta["uid"])
+    if decision.failed_attempts != failed:
+        value = ",".join(str(a) for a in decision.failed_attempts)
+        rt.known_versions[uid] = rt.kube.patch_run_annotations(
+            namespace, name, {FAILED_ATTEMPTS_ANNOTATION: value}
+        )
+    new_wire = decision.status.to_wire()
+    if new_wire != status.to_wire():
+        rt.known_versions[uid] = rt.kube.patch_run_status(namespace, name, merge_patch(raw_status, new_wire))
+    for emit in decision.of_type(Emit):
+        try:
+            rt.kube.create_event(namespace, name, uid, emit.type, emit.reason, emit.message)
+        except ApiException as exc:
+            log.warning("could not post event %s on %s/%s: %s", emit.reason, namespace, name, exc.reason)
+    rt.phases[uid] = decision.status.phase
+    metrics.set_runs_by_phase(rt.phases)
+
+
+def _count(
+    rt: Runtime, run: GRPORun, before: GRPORunStatus, decision: Decision, children: Children, now: dt.datetime
+) -> None:
+    after = decision.status
+    if after.attempt > before.attempt:
+        metrics.ATTEMPTS.inc(after.attempt - before.attempt)
+    for emit in decision.of_type(Emit):
+        if emit.type == "Warning" and emit.reason in FAILURE_REASONS:
+            metrics.FAILURES.labels(reason=emit.reason).inc()
+    passed_gate = (
+        before.phase == Phase.STARTING_SERVER and after.server.ready and run.spec.mode == Mode.SERVER
+    )
+    if passed_gate:
+        pod = children.pod_of(after.attempt)
+        if pod is not None and pod.created is not None:
+            metrics.SERVER_READY_LATENCY.observe(max(0.0, (now - pod.created).total_seconds()))

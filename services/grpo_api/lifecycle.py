@@ -1,0 +1,597 @@
+"""The run lifecycle as one pure decision: given what was recorded and what is observed, what happens next.
+
+Both executors keep the same lifecycle by calling `decide()`: the operator turns
+its actions into Kubernetes objects, the local runner into processes. Nothing
+here performs I/O or reads a clock; the caller passes `now`.
+
+The contract (ARCHITECTURE.md, "Lifecycle of one run"):
+
+- every attempt gets a fresh server: the trainer of attempt N is created only
+  when no server of an older attempt is alive and the server answers its health
+  check with status 200, a boot id not recorded for an earlier attempt and no
+  adapter loaded; `serverReadyTimeoutSeconds` turns a server that never gets
+  there into a failed attempt (`ServerNotReady`);
+- a failed attempt starts the next one (fresh server first, the trainer resumes
+  from its checkpoint) until `backoffLimit` failures, then the run fails;
+- `activeDeadlineSeconds`, `suspend` and `ttlSecondsAfterFinished` behave as on
+  Kubernetes Jobs (resuming resets the deadline's start, as for Jobs);
+- terminal phases stay terminal.
+
+Actions are idempotent requests ("this should exist"), re-issued on every call
+while they hold, so an executor that crashed half-way converges on the next call.
+Executors apply the actions first and record the new status (and `failed_attempts`)
+last: a call whose record was lost is simply decided again.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Literal, TypeVar
+
+from grpo_api.models import (
+    TERMINAL_PHASES,
+    AdapterStatus,
+    CleanupPolicy,
+    Condition,
+    ConditionType,
+    GRPORunSpec,
+    GRPORunStatus,
+    Mode,
+    Phase,
+    ProgressStatus,
+    Reason,
+)
+from grpo_api.protocol import HealthResponse, TrainingProgress
+
+#: How often to look again while something is expected to change soon (server start, trainer state).
+SERVER_POLL_SECONDS = 2.0
+TRAINER_POLL_SECONDS = 10.0
+#: Events and condition messages stay short (events are capped at 1 KiB by convention).
+MAX_MESSAGE_CHARS = 1000
+
+#: Reasons that describe something going wrong: their events are Warnings.
+WARNING_REASONS = frozenset(
+    {
+        Reason.SERVER_NOT_READY,
+        Reason.TRAINER_FAILED,
+        Reason.RETRYING,
+        Reason.BACKOFF_LIMIT_EXCEEDED,
+        Reason.DEADLINE_EXCEEDED,
+        Reason.INVALID_SPEC,
+    }
+)
+
+
+# ------------------------------------------------------------------------------------------ inputs
+
+
+class TrainerState(StrEnum):
+    """The current attempt's trainer (a Job, or a process), as observed."""
+
+    ABSENT = "Absent"
+    ACTIVE = "Active"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+@dataclass(frozen=True)
+class HealthCheck:
+    """The latest GET of the server's health path."""
+
+    reachable: bool
+    status_code: int | None = None
+    body: HealthResponse | None = None
+    error: str = ""
+
+    @property
+    def healthy(self) -> bool:
+        return self.reachable and self.status_code == 200 and self.body is not None
+
+    def describe(self) -> str:
+        if not self.reachable:
+            return f"unreachable ({self.error})" if self.error else "unreachable"
+        if self.status_code != 200:
+            status = self.body.status if self.body is not None else ""
+            return f"HTTP {self.status_code}" + (f" ({status})" if status else "")
+        return "healthy" if self.body is not None else "HTTP 200 with an unreadable body"
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the executor saw of the world for this run, just before deciding."""
+
+    now: dt.datetime
+    #: Server pods (or processes) of attempts older than the current one that still exist.
+    older_servers_alive: int = 0
+    #: The server's health; None when it was not checked (see `wants_health`).
+    health: HealthCheck | None = None
+    trainer: TrainerState = TrainerState.ABSENT
+    trainer_message: str = ""
+    #: Trainer progress read directly (local runner); by default the health body's relay is used.
+    progress: TrainingProgress | None = None
+    #: Where the executor reaches the server; recorded in status.server.url.
+    server_url: str | None = None
+
+
+# ----------------------------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class Provision:
+    """Run-config, shared volume and token (and, in server mode, the server's address) should exist."""
+
+
+@dataclass(frozen=True)
+class EnsureServer:
+    """The server should exist for this attempt with this many replicas (a new attempt replaces it)."""
+
+    attempt: int
+    replicas: int = 1
+
+
+@dataclass(frozen=True)
+class StopServer:
+    """The server should run no replicas (GPUs back); its definition and the volume stay."""
+
+
+@dataclass(frozen=True)
+class DeleteServer:
+    """The server and its address should not exist."""
+
+
+@dataclass(frozen=True)
+class CreateTrainer:
+    """The trainer of this attempt should exist (created once; never re-created after it finished)."""
+
+    attempt: int
+
+
+@dataclass(frozen=True)
+class DeleteTrainer:
+    """The trainer of this attempt should not run."""
+
+    attempt: int
+
+
+@dataclass(frozen=True)
+class DeleteRun:
+    """The run itself should be deleted (ttlSecondsAfterFinished passed)."""
+
+
+@dataclass(frozen=True)
+class Emit:
+    """Record an event on the run."""
+
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class RequeueAfter:
+    """Decide again after at most this many seconds."""
+
+    seconds: float
+
+
+Action = (
+    Provision
+    | EnsureServer
+    | StopServer
+    | DeleteServer
+    | CreateTrainer
+    | DeleteTrainer
+    | DeleteRun
+    | Emit
+    | RequeueAfter
+)
+
+
+_A = TypeVar("_A")
+
+
+@dataclass(frozen=True)
+class Decision:
+    status: GRPORunStatus
+    #: Attempt numbers that failed (a set: recording one twice is harmless); at most backoffLimit + 1.
+    failed_attempts: tuple[int, ...]
+    actions: tuple[Action, ...]
+
+    @property
+    def requeue_after(self) -> float | None:
+        delays = [a.seconds for a in self.actions if isinstance(a, RequeueAfter)]
+        return min(delays) if delays else None
+
+    def of_type(self, kind: type[_A]) -> list[_A]:
+        return [a for a in self.actions if isinstance(a, kind)]
+
+
+# ---------------------------------------------------------------------------------------- decision
+
+
+def wants_health(spec: GRPORunSpec, status: GRPORunStatus) -> bool:
+    """Whether the decision will use a health check (executors skip the HTTP call otherwise)."""
+    return (
+        spec.mode == Mode.SERVER
+        and not spec.run_policy.suspend
+        and status.phase in (Phase.STARTING_SERVER, Phase.TRAINING)
+    )
+
+
+def decide(
+    spec: GRPORunSpec,
+    status: GRPORunStatus,
+    observed: Observation,
+    *,
+    failed_attempts: tuple[int, ...] | list[int] = (),
+    generation: int | None = None,
+) -> Decision:
+    """The new status and the actions that bring the world to it. Pure: same inputs, same outputs."""
+    step = _Step(spec, status.model_copy(deep=True), observed, set(failed_attempts))
+    step.run()
+    new = step.status
+    new.observed_generation = generation
+    if (new.phase, new.reason) != (status.phase, status.reason) and new.reason:
+        kind: Literal["Normal", "Warning"] = "Warning" if new.reason in WARNING_REASONS else "Normal"
+        step.actions.append(Emit(kind, new.reason, new.message or ""))
+    new.conditions = _conditions(spec, status.conditions, new, observed.now, generation)
+    return Decision(status=new, failed_attempts=tuple(sorted(step.failed)), actions=tuple(step.actions))
+
+
+def reject(
+    status: GRPORunStatus, message: str, now: dt.datetime, *, generation: int | None = None
+) -> Decision:
+    """A run whose spec cannot be used (it got past admission but not the models): Failed/InvalidSpec.
+
+    A run that already finished keeps its outcome; nothing is created for a rejected run.
+    """
+    new = status.model_copy(deep=True)
+    actions: list[Action] = []
+    if new.phase not in TERMINAL_PHASES:
+        new.phase = Phase.FAILED
+        new.reason = Reason.INVALID_SPEC
+        new.message = _truncate(message)
+        new.completion_time = now
+        new.server.ready = False
+        actions.append(Emit("Warning", Reason.INVALID_SPEC, new.message))
+        new.conditions = set_condition(
+            new.conditions, ConditionType.FAILED, "True", Reason.INVALID_SPEC, new.message, now, generation
+        )
+    new.observed_generation = generation
+    return Decision(status=new, failed_attempts=(), actions=tuple(actions))
+
+
+@dataclass
+class _Step:
+    spec: GRPORunSpec
+    status: GRPORunStatus
+    obs: Observation
+    failed: set[int]
+    actions: list[Action] = field(default_factory=list)
+
+    @property
+    def server_mode(self) -> bool:
+        return self.spec.mode == Mode.SERVER
+
+    @property
+    def now(self) -> dt.datetime:
+        return self.obs.now
+
+    def run(self) -> None:
+        policy = self.spec.run_policy
+        phase = self.status.phase
+        if phase in TERMINAL_PHASES:
+            self.finished()
+        elif policy.suspend:
+            self.suspend()
+        elif phase == Phase.SUSPENDED:
+            self.status.start_time = self.now  # as for Jobs: the active deadline restarts on resume
+            self.start_attempt(self.status.attempt + 1, Reason.RESUMED, "resumed")
+        elif phase == Phase.PENDING:
+            self.status.start_time = self.now
+            self.start_attempt(1, Reason.CREATED, "run started")
+        elif self.deadline_passed():
+            self.finish(
+                Phase.FAILED,
+                Reason.DEADLINE_EXCEEDED,
+                f"activeDeadlineSeconds ({policy.active_deadline_seconds}) passed "
+                f"on attempt {self.status.attempt}",
+            )
+        elif phase == Phase.STARTING_SERVER:
+            self.await_server()
+        else:
+            self.watch_trainer()
+
+    # -- transitions -------------------------------------------------------------------------------
+
+    def set_phase(self, phase: Phase, reason: Reason, message: str) -> None:
+        self.status.phase = phase
+        self.status.reason = reason
+        self.status.message = _truncate(message)
+
+    def start_attempt(self, attempt: int, reason: Reason, message: str) -> None:
+        """Begin attempt N: fresh server first (server mode), the trainer straight away (colocate)."""
+        self.status.attempt = attempt
+        self.status.attempt_started_at = self.now
+        # The boot id stays recorded: the next server must show a different one.
+        self.status.server.ready = False
+        self.actions.append(Provision())
+        if self.server_mode:
+            self.actions.append(EnsureServer(attempt, 1))
+            self.set_phase(
+                Phase.STARTING_SERVER, reason, f"attempt {attempt}: {message}; starting a fresh server"
+            )
+            self.actions.append(RequeueAfter(SERVER_POLL_SECONDS))
+        else:
+            self.actions.append(CreateTrainer(attempt))
+            self.set_phase(Phase.TRAINING, reason, f"attempt {attempt}: {message}; trainer created")
+            self.actions.append(RequeueAfter(TRAINER_POLL_SECONDS))
+
+    def attempt_failed(self, reason: Reason, message: str) -> None:
+        attempt = self.status.attempt
+        self.failed.add(attempt)
+        limit = self.spec.run_policy.backoff_limit
+        if len(self.failed) <= limit:
+            self.actions.append(Emit("Warning", reason, _truncate(message)))
+            self.start_attempt(
+                attempt + 1,
+                Reason.RETRYING,
+                f"attempt {attempt} failed ({reason}), retry {len(self.failed)} of {limit}",
+            )
+            return
+        final = Reason.BACKOFF_LIMIT_EXCEEDED if reason == Reason.TRAINER_FAILED else reason
+        if final != reason:
+            self.actions.append(Emit("Warning", reason, _truncate(message)))
+        self.finish(
+            Phase.FAILED, final, f"{message} (failed attempts: {len(self.failed)}, backoffLimit: {limit})"
+        )
+
+    def finish(self, phase: Phase, reason: Reason, message: str) -> None:
+        self.set_phase(phase, reason, message)
+        self.status.completion_time = self.now
+        self.finished()
+
+    def suspend(self) -> None:
+        if self.status.phase != Phase.SUSPENDED:
+            self.set_phase(
+                Phase.SUSPENDED, Reason.SUSPENDED, f"suspended during attempt {self.status.attempt}"
+            )
+        self.status.server.ready = False
+        if self.status.attempt > 0 and self.obs.trainer != TrainerState.ABSENT:
+            self.actions.append(DeleteTrainer(self.status.attempt))
+        if self.server_mode:
+            self.actions.append(StopServer())
+
+    # -- steady states -----------------------------------------------------------------------------
+
+    def finished(self) -> None:
+        """Terminal: keep the cleanup true, stop a trainer that still runs, delete the run after its TTL."""
+        self.status.server.ready = self.status.server.ready and self.keeps_server()
+        if self.obs.trainer == TrainerState.ACTIVE and self.status.attempt > 0:
+            self.actions.append(DeleteTrainer(self.status.attempt))
+        if self.server_mode:
+            policy = self.spec.run_policy.cleanup_policy
+            if policy == CleanupPolicy.STOP_SERVER:
+                self.actions.append(StopServer())
+            elif policy == CleanupPolicy.DELETE_SERVER:
+                self.actions.append(DeleteServer())
+        ttl = self.spec.run_policy.ttl_seconds_after_finished
+        if ttl is None:
+            return
+        finished_at = self.status.completion_time or self.now
+        self.status.completion_time = finished_at
+        remaining = (finished_at - self.now).total_seconds() + ttl
+        self.actions.append(DeleteRun() if remaining <= 0 else RequeueAfter(remaining))
+
+    def keeps_server(self) -> bool:
+        return self.server_mode and self.spec.run_policy.cleanup_policy == CleanupPolicy.KEEP_SERVER
+
+    def await_server(self) -> None:
+        attempt = self.status.attempt
+        self.actions.append(EnsureServer(attempt, 1))
+        started = self.status.attempt_started_at or self.now
+        self.status.attempt_started_at = started
+        timeout = self.spec.run_policy.server_ready_timeout_seconds
+        waited = (self.now - started).total_seconds()
+        if self.obs.older_servers_alive:
+            reason, detail = (
+                Reason.WAITING_FOR_OLD_SERVER,
+                (f"waiting for {self.obs.older_servers_alive} server(s) of an earlier attempt to go away"),
+            )
+        else:
+            health = self.obs.health
+            verdict = self.fresh_server_verdict(health)
+            if verdict is None and health is not None and health.body is not None:
+                self.status.server.boot_id = health.body.boot_id
+                self.status.server.ready = True
+                self.status.server.url = self.obs.server_url or self.status.server.url
+                self.actions.append(CreateTrainer(attempt))
+                self.set_phase(
+                    Phase.TRAINING,
+                    Reason.TRAINER_RUNNING,
+                    f"attempt {attempt}: server {health.body.boot_id} passed its health check after "
+                    f"{waited:.0f}s; trainer created",
+                )
+                self.actions.append(RequeueAfter(TRAINER_POLL_SECONDS))
+                return
+            reason, detail = Reason.SERVER_STARTING, f"waiting for a fresh server: {verdict}"
+        if waited >= timeout:
+            self.attempt_failed(
+                Reason.SERVER_NOT_READY,
+                f"attempt {attempt}: server not ready within "
+                f"serverReadyTimeoutSeconds ({timeout}s): {detail}",
+            )
+            return
+        self.set_phase(Phase.STARTING_SERVER, reason, f"attempt {attempt}: {detail}")
+        self.actions.append(RequeueAfter(min(SERVER_POLL_SECONDS, max(timeout - waited, 0.1))))
+        self.requeue_for_deadline()
+
+    def fresh_server_verdict(self, health: HealthCheck | None) -> str | None:
+        """None when the server is fresh and healthy; otherwise why not (for the status message)."""
+        if health is None:
+            return "not checked yet"
+        if not health.healthy or health.body is None:
+            return health.describe()
+        earlier = self.status.server.boot_id
+        if earlier is not None and health.body.boot_id == earlier:
+            return f"boot id {earlier} belongs to an earlier attempt"
+        if health.body.adapter is not None:
+            return f"server already has adapter v{health.body.adapter.version} loaded"
+        return None
+
+    def watch_trainer(self) -> None:
+        attempt = self.status.attempt
+        if self.server_mode:
+            self.actions.append(EnsureServer(attempt, 1))
+            self.record_server()
+        self.record_progress()
+        trainer = self.obs.trainer
+        detail = f": {self.obs.trainer_message}" if self.obs.trainer_message else ""
+        if trainer == TrainerState.SUCCEEDED:
+            self.finish(Phase.SUCCEEDED, Reason.COMPLETED, f"trainer of attempt {attempt} completed{detail}")
+        elif trainer == TrainerState.FAILED:
+            self.attempt_failed(Reason.TRAINER_FAILED, f"trainer of attempt {attempt} failed{detail}")
+        elif trainer == TrainerState.ABSENT:
+            self.attempt_failed(Reason.TRAINER_FAILED, f"trainer of attempt {attempt} disappeared")
+        else:
+            self.actions.append(RequeueAfter(TRAINER_POLL_SECONDS))
+            self.requeue_for_deadline()
+
+    def record_server(self) -> None:
+        """Keep the adapter from the server's health; note a server that restarted under the trainer."""
+        health = self.obs.health
+        if health is None or not health.healthy or health.body is None:
+            return
+        body = health.body
+        if self.status.server.boot_id is not None and body.boot_id != self.status.server.boot_id:
+            self.actions.append(
+                Emit(
+                    "Warning",
+                    "ServerRestarted",
+                    f"server of attempt {self.status.attempt} restarted (boot id "
+                    f"{self.status.server.boot_id} -> {body.boot_id}); the trainer reloads its adapter",
+                )
+            )
+            self.status.server.boot_id = body.boot_id
+        if body.adapter is not None:
+            self.status.adapter = AdapterStatus(
+                version=body.adapter.version, path=body.adapter.path, loaded_at=body.adapter.loaded_at
+            )
+
+    def record_progress(self) -> None:
+        progress = self.obs.progress
+        health = self.obs.health
+        if progress is None and health is not None and health.body is not None:
+            progress = health.body.progress
+        if progress is not None:
+            self.status.progress = ProgressStatus(
+                step=progress.step, max_steps=progress.max_steps, reward_mean=progress.reward_mean
+            )
+
+    # -- deadlines ---------------------------------------------------------------------------------
+
+    def deadline_passed(self) -> bool:
+        limit = self.spec.run_policy.active_deadline_seconds
+        start = self.status.start_time
+        return limit is not None and start is not None and (self.now - start).total_seconds() >= limit
+
+    def requeue_for_deadline(self) -> None:
+        limit = self.spec.run_policy.active_deadline_seconds
+        start = self.status.start_time
+        if limit is not None and start is not None:
+            self.actions.append(RequeueAfter(max((start - self.now).total_seconds() + limit, 0.1)))
+
+
+# -------------------------------------------------------------------------------------- conditions
+
+
+def set_condition(
+    conditions: list[Condition],
+    type_: str,
+    status: Literal["True", "False", "Unknown"],
+    reason: str,
+    message: str,
+    now: dt.datetime,
+    generation: int | None = None,
+) -> list[Condition]:
+    """Upsert one condition (list keyed by type); lastTransitionTime moves only when status flips."""
+    result: list[Condition] = []
+    found = False
+    for cond in conditions:
+        if cond.type != type_:
+            result.append(cond)
+            continue
+        found = True
+        since = cond.last_transition_time if cond.status == status else now
+        result.append(_condition(type_, status, reason, message, since, generation))
+    if not found:
+        result.append(_condition(type_, status, reason, message, now, generation))
+    return result
+
+
+def get_condition(conditions: list[Condition], type_: str) -> Condition | None:
+    return next((c for c in conditions if c.type == type_), None)
+
+
+def _condition(
+    type_: str,
+    status: Literal["True", "False", "Unknown"],
+    reason: str,
+    message: str,
+    since: dt.datetime,
+    generation: int | None,
+) -> Condition:
+    return Condition(
+        type=type_,
+        status=status,
+        reason=reason,
+        message=_truncate(message),
+        last_transition_time=since,
+        observed_generation=generation,
+    )
+
+
+def _conditions(
+    spec: GRPORunSpec,
+    previous: list[Condition],
+    status: GRPORunStatus,
+    now: dt.datetime,
+    generation: int | None,
+) -> list[Condition]:
+    """The conditions that follow from the new status.
+
+    ServerReady (server mode) and TrainerRunning are always present; Suspended, Succeeded and
+    Failed appear once they first become true.
+    """
+    phase, reason, message = status.phase, status.reason or "", status.message or ""
+    conds = list(previous)
+
+    def put(type_: ConditionType, value: bool, true_reason: str) -> None:
+        nonlocal conds
+        conds = set_condition(
+            conds,
+            type_,
+            "True" if value else "False",
+            true_reason if value else reason,
+            message,
+            now,
+            generation,
+        )
+
+    if spec.mode == Mode.SERVER:
+        put(ConditionType.SERVER_READY, status.server.ready, Reason.SERVER_READY)
+    put(ConditionType.TRAINER_RUNNING, phase == Phase.TRAINING, Reason.TRAINER_RUNNING)
+    for type_, flag in (
+        (ConditionType.SUSPENDED, phase == Phase.SUSPENDED),
+        (ConditionType.SUCCEEDED, phase == Phase.SUCCEEDED),
+        (ConditionType.FAILED, phase == Phase.FAILED),
+    ):
+        if flag or get_condition(conds, type_) is not None:
+            put(type_, flag, reason)
+    return conds
+
+
+def _truncate(message: str) -> str:
+    return message if len(message) <= MAX_MESSAGE_CHARS else message[: MAX_MESSAGE_CHARS - 1] + "…"

@@ -1,0 +1,259 @@
+"""Checks an adapter directory passes before the engine sees it.
+
+Refusals carry one of `grpo_api.protocol.ADAPTER_REFUSALS` and a message naming the
+file or field. The order matters: the path is confined to the adapter root before
+anything is read, and the manifest's checksums are verified before the files they
+cover are parsed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from grpo_api.adapters import MANIFEST_NAME, ManifestError, verify_manifest
+from grpo_api.fingerprint import model_fingerprint
+from grpo_api.protocol import ADAPTER_REFUSALS
+
+ADAPTER_CONFIG = "adapter_config.json"
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+#: Module names vLLM cannot serve LoRA on (embeddings and output head).
+EMBEDDING_MODULES = frozenset({"lm_head", "embed_tokens", "wte", "wpe", "embed_in", "embed_out", "word_embeddings"})
+#: Weight-key fragments of things plain LoRA serving cannot apply.
+UNSUPPORTED_KEY_PARTS = ("modules_to_save", "lora_magnitude_vector", "lora_embedding_", "trainable_tokens")
+
+#: HTTP status for each refusal reason.
+REFUSAL_STATUS: dict[str, int] = {
+    "adapter_outside_root": 403,
+    "adapter_missing": 404,
+    "adapter_config_invalid": 422,
+    "adapter_base_model_mismatch": 409,
+    "adapter_rank_too_large": 422,
+    "adapter_unsupported": 422,
+    "adapter_checksum_mismatch": 409,
+    "adapter_load_failed": 422,
+    "adapter_load_busy": 409,
+}
+
+
+class AdapterRefusal(Exception):
+    """An adapter the server will not load."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        if reason not in ADAPTER_REFUSALS:
+            raise ValueError(f"unknown refusal reason {reason}")
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+    @property
+    def status_code(self) -> int:
+        return REFUSAL_STATUS[self.reason]
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What an adapter must have been trained on."""
+
+    name: str
+    model_dir: Path
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class CheckedAdapter:
+    path: Path  # resolved, inside the adapter root
+    digest: str | None  # manifest digest, when there is a manifest
+    manifest_version: int | None
+    rank: int
+
+
+def confine(path: str, root: Path) -> Path:
+    """The adapter directory resolved (symlinks, `..`) and required to lie strictly inside root."""
+    root_resolved = root.resolve()
+    candidate = Path(path)
+    if not candidate.is_absolute():
+        candidate = root_resolved / candidate
+    resolved = candidate.resolve()
+    if resolved == root_resolved or not resolved.is_relative_to(root_resolved):
+        raise AdapterRefusal(
+            "adapter_outside_root", f"{path} resolves to {resolved}, outside the adapter root {root_resolved}"
+        )
+    return resolved
+
+
+def check_adapter(
+    path: str,
+    *,
+    root: Path,
+    served: ServedModel,
+    max_rank: int,
+    require_manifest: bool,
+    expected_digest: str | None,
+    version: int | None,
+) -> CheckedAdapter:
+    """Validate an adapter directory; raise AdapterRefusal with the first problem found."""
+    directory = confine(path, root)
+    if not directory.is_dir():
+        raise AdapterRefusal("adapter_missing", f"{directory} is not a directory")
+    digest, manifest_version = _check_manifest(directory, served, require_manifest, expected_digest, version)
+    config = _read_config(directory)
+    rank = _check_rank(config, directory, max_rank)
+    _check_supported(config, directory)
+    weights = _weight_file(directory)
+    _check_weight_keys(weights)
+    if digest is None:
+        _check_base_model_name(config, directory, served)
+    return CheckedAdapter(path=directory, digest=digest, manifest_version=manifest_version, rank=rank)
+
+
+def _check_manifest(
+    directory: Path, served: ServedModel, required: bool, expected_digest: str | None, version: int | None
+) -> tuple[str | None, int | None]:
+    if not (directory / MANIFEST_NAME).is_file():
+        if required:
+            raise AdapterRefusal("adapter_checksum_mismatch", f"{directory / MANIFEST_NAME} is missing")
+        return None, None
+    try:
+        manifest = verify_manifest(directory)
+    except ManifestError as exc:
+        raise AdapterRefusal("adapter_checksum_mismatch", str(exc)) from exc
+    digest = manifest.digest()
+    if required and expected_digest is None:
+        raise AdapterRefusal("adapter_checksum_mismatch", "sha256: the request must carry the manifest digest")
+    if expected_digest is not None and expected_digest != digest:
+        raise AdapterRefusal(
+            "adapter_checksum_mismatch",
+            f"sha256 {expected_digest} does not match the digest {digest} of {directory / MANIFEST_NAME}",
+        )
+    if manifest.base_model_fingerprint != served.fingerprint:
+        raise AdapterRefusal(
+            "adapter_base_model_mismatch",
+            f"{directory / MANIFEST_NAME}: trained on base model {manifest.base_model_fingerprint}, "
+            f"this server serves {served.name} ({served.fingerprint})",
+        )
+    if version is not None and manifest.version != version:
+        raise AdapterRefusal(
+            "adapter_config_invalid",
+            f"version {version} was requested but {directory / MANIFEST_NAME} holds version {manifest.version}",
+        )
+    return digest, manifest.version
+
+
+def _read_config(directory: Path) -> dict[str, Any]:
+    path = directory / ADAPTER_CONFIG
+    if not path.is_file():
+        raise AdapterRefusal("adapter_config_invalid", f"{path} is missing")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterRefusal("adapter_config_invalid", f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise AdapterRefusal("adapter_config_invalid", f"{path} must hold a JSON object")
+    peft_type = config.get("peft_type")
+    if peft_type != "LORA":
+        raise AdapterRefusal("adapter_unsupported", f"{path}: peft_type is {peft_type!r}; only LORA is served")
+    r = config.get("r")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise AdapterRefusal("adapter_config_invalid", f"{path}: r must be a positive integer, got {r!r}")
+    if not config.get("target_modules") and not config.get("target_parameters"):
+        raise AdapterRefusal("adapter_config_invalid", f"{path}: target_modules is missing")
+    return config
+
+
+def _check_rank(config: dict[str, Any], directory: Path, max_rank: int) -> int:
+    ranks = [config["r"], *[v for v in (config.get("rank_pattern") or {}).values() if isinstance(v, int)]]
+    rank = max(ranks)
+    if rank > max_rank:
+        raise AdapterRefusal(
+            "adapter_rank_too_large",
+            f"{directory / ADAPTER_CONFIG}: rank {rank} exceeds the server's maxLoraRank {max_rank}",
+        )
+    return int(rank)
+
+
+def _targets_embedding(target_modules: Any) -> list[str]:
+    if isinstance(target_modules, str):
+        if target_modules == "all-linear":
+            return []
+        # a regex over full module names
+        probes = ["lm_head", "model.embed_tokens", "transformer.wte", "gpt_neox.embed_in", "embed_out"]
+        return [p for p in probes if re.fullmatch(target_modules, p)]
+    return [m for m in target_modules if isinstance(m, str) and m.split(".")[-1] in EMBEDDING_MODULES]
+
+
+def _check_supported(config: dict[str, Any], directory: Path) -> None:
+    path = directory / ADAPTER_CONFIG
+    problems = []
+    if config.get("modules_to_save"):
+        problems.append(f"modules_to_save {config['modules_to_save']}")
+    if config.get("use_dora"):
+        problems.append("DoRA (use_dora)")
+    if config.get("bias", "none") != "none" or config.get("lora_bias"):
+        problems.append(f"bias {config.get('bias')!r}" if config.get("bias", "none") != "none" else "lora_bias")
+    if config.get("trainable_token_indices"):
+        problems.append("trainable_token_indices")
+    embedding = _targets_embedding(config.get("target_modules") or [])
+    if embedding:
+        problems.append(f"embedding or lm_head targets {embedding}")
+    if problems:
+        raise AdapterRefusal(
+            "adapter_unsupported", f"{path}: vLLM cannot serve this as plain LoRA: {'; '.join(problems)}"
+        )
+
+
+def _weight_file(directory: Path) -> Path:
+    for name in WEIGHT_FILES:
+        if (directory / name).is_file():
+            return directory / name
+    raise AdapterRefusal("adapter_missing", f"{directory} has no {' or '.join(WEIGHT_FILES)}")
+
+
+def _check_weight_keys(weights: Path) -> None:
+    if weights.suffix != ".safetensors":
+        return
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights), framework="pt") as handle:
+            keys = list(handle.keys())
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        raise AdapterRefusal("adapter_config_invalid", f"{weights} is not a readable safetensors file: {exc}") from exc
+    bad = [
+        k
+        for k in keys
+        if any(part in k for part in UNSUPPORTED_KEY_PARTS)
+        or any(seg in EMBEDDING_MODULES for seg in k.split("."))
+        or (".lora_" not in k and k.endswith(".bias"))
+    ]
+    if bad:
+        raise AdapterRefusal("adapter_unsupported", f"{weights}: tensors plain LoRA cannot serve: {bad[:3]}")
+
+
+def _check_base_model_name(config: dict[str, Any], directory: Path, served: ServedModel) -> None:
+    """Without a manifest, adapter_config's base_model_name_or_path is the only evidence of the base."""
+    base = config.get("base_model_name_or_path")
+    if not base or base == served.name:
+        return
+    base_path = Path(base)
+    if base_path.is_dir():
+        if base_path.resolve() == served.model_dir.resolve():
+            return
+        try:
+            if model_fingerprint(base_path) == served.fingerprint:
+                return
+        except (OSError, ValueError):
+            pass
+        raise AdapterRefusal(
+            "adapter_base_model_mismatch",
+            f"{directory / ADAPTER_CONFIG}: base_model_name_or_path {base} is a different model than {served.name}",
+        )
+    if base_path.name in (served.name, served.name.split("/")[-1], served.model_dir.name):
+        return
+    raise AdapterRefusal(
+        "adapter_base_model_mismatch",
+        f"{directory / ADAPTER_CONFIG}: base_model_name_or_path {base!r} is not the served model {served.name!r}",
+    )

@@ -1,0 +1,76 @@
+"""`grpo serve`: the generation server's entry point (also the server image's entrypoint)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from grpo_api.runconfig import RunConfigError, load_run_config
+
+log = logging.getLogger("grpo_server")
+
+
+@click.command("serve")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Run-config or GRPORun file (default: $GRPO_RUN_CONFIG).",
+)
+@click.option("--host", default=None, help="Listen address (default 0.0.0.0).")
+@click.option("--port", type=int, default=None, help="Listen port (default spec.server.port).")
+@click.option(
+    "--engine",
+    type=click.Choice(["auto", "vllm", "transformers"]),
+    default=None,
+    help="Inference engine (default spec.server.engine).",
+)
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
+def serve(config_path: Path | None, host: str | None, port: int | None, engine: str | None, log_level: str) -> None:
+    """Serve the run's base model and LoRA adapters over HTTP (native + OpenAI-compatible)."""
+    import uvicorn
+
+    from grpo_server.app import create_app
+    from grpo_server.service import GenerationService
+    from grpo_server.settings import GRACEFUL_SHUTDOWN_SECONDS, settings_from_config
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = settings_from_config(load_run_config(config_path), host=host, port=port, engine=engine)
+        service = GenerationService(settings)
+    except (RunConfigError, ValueError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    if settings.token is None:
+        if settings.server.authenticate_generation:
+            raise click.ClickException(
+                "server.authenticateGeneration is set but no token is configured ($GRPO_TOKEN or tokenFile)"
+            )
+        log.warning("no token configured: adapter loads and other mutating endpoints will answer 401")
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(service),
+            host=settings.host,
+            port=settings.port,
+            log_level=log_level,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+            lifespan="on",
+        )
+    )
+
+    def stop_on_fatal() -> None:
+        server.should_exit = True
+
+    service.on_fatal = stop_on_fatal
+    log.info(
+        "serving %s from %s with the %s engine on %s:%d (boot_id %s)",
+        settings.served_model_name, settings.model_dir, service.engine_kind, settings.host, settings.port,
+        service.boot_id,
+    )
+    server.run()
+    if service.load_error:
+        log.error("engine failed to start: %s", service.load_error)
+        sys.exit(1)

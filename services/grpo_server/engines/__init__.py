@@ -1,0 +1,60 @@
+"""Inference engines behind one interface (`base.Engine`): vllm (GPU) and transformers (CPU/GPU).
+
+`create_engine` imports an engine's module only when that engine is selected, so
+vLLM is never imported where it is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from grpo_api.models import ServerSpec
+from grpo_server.engines.base import Engine
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("vllm", "transformers")
+
+
+def vllm_usable() -> bool:
+    """`import vllm` works and a CUDA device is visible."""
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    try:
+        importlib.import_module("vllm")
+    except Exception as exc:  # a broken install falls back to transformers, loudly
+        log.warning("vllm is installed but does not import (%s): using the transformers engine", exc)
+        return False
+    return True
+
+
+def choose_engine(requested: str) -> str:
+    """`auto` resolves to vllm when it can run here, else transformers."""
+    if requested == "auto":
+        return "vllm" if vllm_usable() else "transformers"
+    if requested not in ENGINES:
+        raise ValueError(f"engine must be one of auto, {', '.join(ENGINES)}; got {requested!r}")
+    return requested
+
+
+def create_engine(
+    kind: str, model_dir: Path, served_name: str, server: ServerSpec, tokenizer: PreTrainedTokenizerBase
+) -> Engine:
+    """A not-yet-started engine of `kind` (vllm or transformers)."""
+    if kind == "vllm":
+        from grpo_server.engines.vllm_engine import VllmEngine
+
+        return VllmEngine(model_dir, served_name, server)
+    from grpo_server.engines.transformers_engine import TransformersEngine
+
+    return TransformersEngine(model_dir, tokenizer, dtype=str(server.dtype), max_model_len=server.max_model_len)

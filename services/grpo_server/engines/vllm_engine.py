@@ -1,0 +1,209 @@
+"""The vLLM engine: vLLM 0.26 `AsyncLLM` in-process, LoRA adapters at runtime.
+
+Imported only when the vllm engine is selected (vLLM is not installed in CI).
+Logprobs are `processed_logprobs` (after temperature/top-k/top-p), stats logging is on
+so vLLM's `vllm:` metrics register on prometheus_client's default registry, which the
+server's /metrics exposes. Every adapter version is added under its own name and id
+and awaited before the trigger answers; requests carry their `LoRARequest`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from vllm import SamplingParams, TokensPrompt
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.lora.request import LoRARequest
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from grpo_api.models import ServerSpec
+from grpo_server.engines.base import (
+    AdapterHandle,
+    AdapterLoadError,
+    Completion,
+    EngineError,
+    InvalidRequestError,
+    PromptResult,
+    SamplingOptions,
+)
+
+log = logging.getLogger(__name__)
+
+#: Alternatives per token a request may ask for (vLLM's `max_logprobs`).
+MAX_LOGPROBS = 20
+
+
+def engine_args(model_dir: Path, served_name: str, server: ServerSpec) -> AsyncEngineArgs:
+    """AsyncEngineArgs from the run's server section; extraEngineArgs override the rest."""
+    kwargs: dict[str, Any] = {
+        "model": str(model_dir),
+        "served_model_name": [served_name],
+        "dtype": str(server.dtype),
+        "tensor_parallel_size": server.tensor_parallel_size,
+        "data_parallel_size": server.data_parallel_size,
+        "gpu_memory_utilization": server.gpu_memory_utilization,
+        "max_model_len": server.max_model_len,
+        "enable_prefix_caching": server.enable_prefix_caching,
+        "enforce_eager": server.enforce_eager,
+        "enable_lora": True,
+        "max_loras": server.max_loras,
+        "max_lora_rank": server.max_lora_rank,
+        # requests still running on evicted versions finish while new ones load: room for both
+        "max_cpu_loras": server.max_loras * 2,
+        "logprobs_mode": "processed_logprobs",
+        "max_logprobs": MAX_LOGPROBS,
+        "disable_log_stats": False,
+    }
+    kwargs.update(server.extra_engine_args)
+    try:
+        return AsyncEngineArgs(**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"server.extraEngineArgs: {exc}") from exc
+
+
+class VllmEngine:
+    """Engine over `vllm.v1.engine.async_llm.AsyncLLM`."""
+
+    name = "vllm"
+
+    def __init__(self, model_dir: Path, served_name: str, server: ServerSpec) -> None:
+        self._args = engine_args(model_dir, served_name, server)
+        self._llm: AsyncLLM | None = None
+
+    async def start(self) -> None:
+        # The engine core is a child process; spawn avoids forking a threaded server process.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        # Built off the event loop so /health answers 503 while it loads; AsyncLLM starts its
+        # output handler on the first request, inside the loop.
+        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self._args)
+
+    @property
+    def llm(self) -> AsyncLLM:
+        if self._llm is None:
+            raise EngineError("vLLM engine is not started")
+        return self._llm
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.llm.model_config.max_model_len)
+
+    @property
+    def world_size(self) -> int:
+        parallel = self.llm.vllm_config.parallel_config
+        return int(
+            parallel.tensor_parallel_size * parallel.pipeline_parallel_size * parallel.data_parallel_size
+        )
+
+    def healthy(self) -> bool:
+        return self._llm is not None and not self._llm.errored
+
+    async def shutdown(self) -> None:
+        if self._llm is not None:
+            await asyncio.to_thread(self._llm.shutdown)
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.llm.reset_prefix_cache())
+
+    async def add_adapter(self, adapter: AdapterHandle) -> None:
+        try:
+            ok = await self.llm.add_lora(LoRARequest(adapter.name, adapter.int_id, adapter.path))
+        except EngineDeadError as exc:
+            raise EngineError("vLLM engine is dead") from exc
+        except Exception as exc:
+            raise AdapterLoadError(f"{adapter.path}: {type(exc).__name__}: {exc}") from exc
+        if not ok:
+            raise AdapterLoadError(f"{adapter.path}: vLLM did not add adapter {adapter.name}")
+
+    async def remove_adapter(self, adapter: AdapterHandle) -> None:
+        await self.llm.remove_lora(adapter.int_id)
+
+    async def generate(
+        self, prompts: list[list[int]], options: SamplingOptions, adapter: AdapterHandle | None
+    ) -> list[PromptResult]:
+        params = self._sampling_params(options)
+        lora = LoRARequest(adapter.name, adapter.int_id, adapter.path) if adapter is not None else None
+        batch = uuid.uuid4().hex
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [
+                    group.create_task(self._one(ids, params, f"grpo-{batch}-{i}", lora))
+                    for i, ids in enumerate(prompts)
+                ]
+        except* EngineDeadError as eg:
+            raise EngineError("vLLM engine is dead") from eg.exceptions[0]
+        except* ValueError as eg:  # vLLM's validation errors subclass ValueError
+            raise InvalidRequestError(str(eg.exceptions[0])) from eg.exceptions[0]
+        return [task.result() for task in tasks]
+
+    async def _one(
+        self, ids: list[int], params: SamplingParams, request_id: str, lora: LoRARequest | None
+    ) -> PromptResult:
+        final: RequestOutput | None = None
+        async for output in self.llm.generate(
+            TokensPrompt(prompt_token_ids=ids), params, request_id, lora_request=lora
+        ):
+            final = output
+        if final is None or not final.finished:
+            raise EngineError(f"request {request_id} ended without a final output")
+        completions = [_completion(c) for c in sorted(final.outputs, key=lambda c: c.index)]
+        return PromptResult(list(final.prompt_token_ids or ids), completions)
+
+    @staticmethod
+    def _sampling_params(options: SamplingOptions) -> SamplingParams:
+        structured = StructuredOutputsParams(regex=options.regex) if options.regex is not None else None
+        try:
+            return SamplingParams(
+                n=options.n,
+                temperature=options.temperature,
+                top_p=options.top_p,
+                top_k=options.top_k if options.top_k > 0 else 0,
+                min_p=options.min_p,
+                repetition_penalty=options.repetition_penalty,
+                frequency_penalty=options.frequency_penalty,
+                presence_penalty=options.presence_penalty,
+                max_tokens=options.max_tokens,
+                min_tokens=options.min_tokens,
+                seed=options.seed,
+                stop=list(options.stop) or None,
+                stop_token_ids=list(options.stop_token_ids) or None,
+                include_stop_str_in_output=options.include_stop_str_in_output,
+                ignore_eos=options.ignore_eos,
+                skip_special_tokens=options.skip_special_tokens,
+                logprobs=options.top_logprobs,
+                structured_outputs=structured,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+
+
+def _completion(output: Any) -> Completion:
+    token_ids = [int(t) for t in output.token_ids]
+    logprobs: list[float] = []
+    top: list[list[tuple[int, float]]] = []
+    for position, token in enumerate(token_ids):
+        entries = output.logprobs[position] if output.logprobs is not None else {}
+        ranked = sorted(entries.items(), key=lambda item: item[1].rank if item[1].rank is not None else math.inf)
+        top.append([(int(t), float(lp.logprob)) for t, lp in ranked])
+        sampled = entries.get(token)
+        logprobs.append(float(sampled.logprob) if sampled is not None else math.nan)
+    reason = output.finish_reason
+    if reason not in ("stop", "length"):
+        raise EngineError(f"generation ended with finish_reason={reason!r}")
+    return Completion(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        top_logprobs=top,
+        text=output.text or "",
+        finish_reason=reason,
+        stop_reason=output.stop_reason,
+    )

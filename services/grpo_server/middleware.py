@@ -1,0 +1,81 @@
+"""ASGI middleware: request-body size limit and per-endpoint request metrics."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from grpo_server import metrics
+from grpo_server.errors import BodyTooLarge, error_response
+
+
+class BodyLimitMiddleware:
+    """Refuse bodies over `max_bytes` with 413: by Content-Length up front, else while reading."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", []):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = 0
+                if declared > self.max_bytes:
+                    response = error_response(
+                        413, "body_too_large", f"request body of {declared} bytes exceeds {self.max_bytes} bytes"
+                    )
+                    await response(scope, receive, send)
+                    return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+class RequestMetricsMiddleware:
+    """Count requests by route template and status, and time them."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = {"code": 500}
+
+        async def capture(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, capture)
+        finally:
+            endpoint = _endpoint(scope)
+            metrics.REQUESTS.labels(endpoint, str(status["code"])).inc()
+            metrics.REQUEST_DURATION.labels(endpoint).observe(time.perf_counter() - started)
+
+
+def _endpoint(scope: Scope) -> str:
+    """The matched route's path template; unmatched paths share one label (no label explosion)."""
+    route: Any = scope.get("route")
+    path = getattr(route, "path", None)
+    return str(path) if path else "unmatched"

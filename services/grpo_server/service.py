@@ -1,0 +1,327 @@
+"""The server's state and operations behind the HTTP handlers.
+
+`GenerationService` owns the engine, the tokenizer, the adapter registry and the
+boot identity. Handlers call it and stay thin. Everything here runs on the event
+loop; blocking work (model load, adapter checksums) goes to threads and engine
+calls are awaited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from grpo_api.fingerprint import model_fingerprint
+from grpo_api.protocol import (
+    ActiveAdapter,
+    HealthResponse,
+    SetAdapterRequest,
+    SetAdapterResponse,
+    TrainingProgress,
+)
+from grpo_server import metrics
+from grpo_server.adapter_checks import AdapterRefusal, ServedModel, check_adapter
+from grpo_server.engines import choose_engine, create_engine
+from grpo_server.engines.base import AdapterHandle, AdapterLoadError, Engine, PromptResult, SamplingOptions
+from grpo_server.errors import ApiError
+from grpo_server.registry import AdapterRegistry, LoadedAdapter, adapter_name
+from grpo_server.sampling import BadRequest, Limits, check_options, check_prompts
+from grpo_server.settings import TRIGGER_WAIT_SECONDS, ServerSettings
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Generated:
+    results: list[PromptResult]
+    adapter_version: int | None
+
+
+class GenerationService:
+    def __init__(self, settings: ServerSettings, engine_kind: str | None = None) -> None:
+        self.settings = settings
+        self.boot_id = uuid.uuid4().hex
+        self.started_at = time.time()
+        self._started_monotonic = time.monotonic()
+        self.fingerprint = model_fingerprint(settings.model_dir)
+        self.engine_kind = engine_kind or choose_engine(settings.engine)
+        self.registry = AdapterRegistry(settings.served_model_name, settings.server.max_loras)
+        self.engine: Engine | None = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        self.limits: Limits | None = None
+        self.ready = False
+        self.load_error: str | None = None
+        #: Called when the engine cannot start: the process should exit.
+        self.on_fatal: Callable[[], None] = lambda: None
+        self._trigger_lock = asyncio.Lock()
+        self._background: set[asyncio.Task[Any]] = set()
+        metrics.BOOT_TIME.set(self.started_at)
+        metrics.ENGINE_READY.set(0)
+        metrics.ACTIVE_ADAPTER_VERSION.set(0)
+        metrics.LOADED_ADAPTERS.set(0)
+        metrics.INFO.labels(self.boot_id, self.engine_kind, settings.served_model_name).set(1)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Load tokenizer and engine; on failure record why and ask the process to exit."""
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(self.settings.model_dir))
+            settings = self.settings
+            engine = create_engine(
+                self.engine_kind, settings.model_dir, settings.served_model_name, settings.server, tokenizer
+            )
+            await engine.start()
+        except Exception as exc:
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.exception("engine %s failed to start", self.engine_kind)
+            self.on_fatal()
+            return
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.limits = Limits(max_model_len=engine.max_model_len, vocab_size=len(tokenizer))
+        self.ready = True
+        metrics.ENGINE_READY.set(1)
+        log.info(
+            "ready: engine=%s model=%s max_model_len=%d boot_id=%s",
+            self.engine_kind, self.settings.served_model_name, engine.max_model_len, self.boot_id,
+        )
+
+    async def shutdown(self) -> None:
+        self.ready = False
+        metrics.ENGINE_READY.set(0)
+        if self.engine is not None:
+            await self.engine.shutdown()
+
+    def serving(self) -> bool:
+        return self.ready and self.engine is not None and self.engine.healthy()
+
+    def require_engine(self) -> Engine:
+        if not self.serving() or self.engine is None:
+            state = "failed: " + self.load_error if self.load_error else "still loading"
+            raise ApiError(503, "engine_not_ready", f"the {self.engine_kind} engine is {state}")
+        return self.engine
+
+    def require_tokenizer(self) -> PreTrainedTokenizerBase:
+        self.require_engine()
+        assert self.tokenizer is not None
+        return self.tokenizer
+
+    def require_limits(self) -> Limits:
+        self.require_engine()
+        assert self.limits is not None
+        return self.limits
+
+    # ------------------------------------------------------------------ health
+
+    def health(self) -> tuple[int, HealthResponse]:
+        ok = self.serving()
+        if ok:
+            status = "ok"
+        elif self.load_error:
+            status = "failed"
+        elif self.ready:
+            status = "unhealthy"
+        else:
+            status = "loading"
+        active = self.registry.active
+        body = HealthResponse(
+            status=status,
+            boot_id=self.boot_id,
+            model=self.settings.served_model_name,
+            model_fingerprint=self.fingerprint,
+            engine=self.engine_kind,
+            adapter=active.info if active is not None else None,
+            uptime_seconds=round(time.monotonic() - self._started_monotonic, 3),
+            progress=self.read_progress(),
+        )
+        return (200 if ok else 503), body
+
+    def read_progress(self) -> TrainingProgress | None:
+        path = self.settings.progress_file
+        try:
+            return TrainingProgress.model_validate_json(path.read_bytes())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:  # a half-written or foreign file: report nothing, not an error
+            log.debug("progress file %s unreadable: %s", path, exc)
+            return None
+
+    # ------------------------------------------------------------------ prompts
+
+    def encode_text(self, text: str) -> list[int]:
+        ids: list[int] = self.require_tokenizer()(text)["input_ids"]
+        return ids
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        chat_template: str | None,
+        template_kwargs: dict[str, Any],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        tools: list[dict[str, Any]] | None,
+    ) -> list[int]:
+        tokenizer = self.require_tokenizer()
+        if chat_template is None and not tokenizer.chat_template:
+            raise BadRequest("messages: the model has no chat template; pass chat_template")
+        try:
+            text = tokenizer.apply_chat_template(
+                messages,
+                chat_template=chat_template,
+                tools=tools,  # type: ignore[arg-type]
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **template_kwargs,
+            )
+        except Exception as exc:  # jinja and template errors of many types: the request's fault
+            raise BadRequest(f"messages: the chat template failed: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(text, str):
+            raise BadRequest("messages: the chat template did not produce text")
+        ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids
+
+    def decode_token(self, token_id: int) -> str:
+        text = self.require_tokenizer().decode([token_id])
+        assert isinstance(text, str)
+        return text
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, model: str | None, prompts: list[list[int]], options: SamplingOptions) -> Generated:
+        engine = self.require_engine()
+        limits = self.require_limits()
+        check_prompts(prompts, limits)
+        check_options(options, prompts, limits)
+        with self.registry.lease(model) as lease, metrics.REQUESTS_IN_FLIGHT.track_inprogress():
+            results = await engine.generate(prompts, options, lease.handle)
+        self._schedule_eviction()
+        metrics.PROMPT_TOKENS.inc(sum(len(p) for p in prompts))
+        metrics.GENERATION_TOKENS.inc(sum(len(c.token_ids) for r in results for c in r.completions))
+        return Generated(results, lease.version)
+
+    def response_model_name(self, model: str | None) -> str:
+        return model or self.settings.served_model_name
+
+    # ------------------------------------------------------------------ adapters
+
+    async def set_adapter(self, request: SetAdapterRequest) -> SetAdapterResponse:
+        engine = self.require_engine()
+        ours = request.path is not None
+        if ours == (request.lora_path is not None):
+            raise BadRequest(
+                "send either {path, version, sha256} or Axolotl's {lora_name, lora_int_id, lora_path}"
+            )
+        if ours and request.version is None:
+            raise BadRequest("version is required with path")
+        try:
+            await asyncio.wait_for(self._trigger_lock.acquire(), TRIGGER_WAIT_SECONDS)
+        except TimeoutError as exc:
+            self._count_refusal("adapter_load_busy")
+            raise AdapterRefusal(
+                "adapter_load_busy", f"another adapter load is still running after {TRIGGER_WAIT_SECONDS:.0f}s"
+            ) from exc
+        started = time.perf_counter()
+        try:
+            adapter = await self._load_and_activate(engine, request, ours)
+        except AdapterRefusal as refusal:
+            self._count_refusal(refusal.reason)
+            log.warning("adapter refused (%s): %s", refusal.reason, refusal.message)
+            raise
+        finally:
+            self._trigger_lock.release()
+        seconds = time.perf_counter() - started
+        metrics.ADAPTER_LOADS.inc()
+        metrics.ADAPTER_LOAD_DURATION.observe(seconds)
+        log.info("adapter %s active (%s) in %.3fs", adapter.info.name, adapter.info.path, seconds)
+        return SetAdapterResponse(adapter=adapter.info, load_seconds=round(seconds, 6), boot_id=self.boot_id)
+
+    async def _load_and_activate(self, engine: Engine, request: SetAdapterRequest, ours: bool) -> LoadedAdapter:
+        version = request.version if ours and request.version is not None else self.registry.next_version()
+        path = request.path if ours else request.lora_path
+        assert path is not None
+        served = ServedModel(self.settings.served_model_name, self.settings.model_dir, self.fingerprint)
+        checked = await asyncio.to_thread(
+            check_adapter,
+            path,
+            root=self.settings.adapter_root,
+            served=served,
+            max_rank=self.settings.server.max_lora_rank,
+            require_manifest=ours,
+            expected_digest=request.sha256 if ours else None,
+            version=version if ours else None,
+        )
+        existing = self.registry.get(version)
+        if existing is not None:
+            if checked.digest is None or existing.digest != checked.digest:
+                raise AdapterRefusal(
+                    "adapter_checksum_mismatch",
+                    f"version {version} is already loaded with other contents; publish a new version",
+                )
+            existing.info = existing.info.model_copy(update={"loaded_at": dt.datetime.now(dt.UTC)})
+            adapter = existing
+        else:
+            handle = AdapterHandle(adapter_name(version), self.registry.next_int_id(), str(checked.path))
+            try:
+                await engine.add_adapter(handle)
+            except AdapterLoadError as exc:
+                raise AdapterRefusal("adapter_load_failed", str(exc)) from exc
+            info = ActiveAdapter(
+                name=handle.name,
+                version=version,
+                sha256=checked.digest,
+                path=str(checked.path),
+                loaded_at=dt.datetime.now(dt.UTC),
+            )
+            adapter = LoadedAdapter(handle=handle, info=info, digest=checked.digest)
+            self.registry.add(adapter)
+        self.registry.activate(version)
+        metrics.ACTIVE_ADAPTER_VERSION.set(version)
+        await self._evict()
+        return adapter
+
+    async def clear_adapter(self) -> None:
+        self.require_engine()
+        async with self._trigger_lock:
+            self.registry.clear()
+            metrics.ACTIVE_ADAPTER_VERSION.set(0)
+            await self._evict()
+
+    def _count_refusal(self, reason: str) -> None:
+        metrics.ADAPTER_LOAD_FAILURES.labels(reason).inc()
+
+    def _schedule_eviction(self) -> None:
+        if len(self.registry.loaded) > self.registry.max_loaded:
+            task = asyncio.create_task(self._evict())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _evict(self) -> None:
+        """Unload versions beyond maxLoras that no request holds (forgotten first, so none can lease them)."""
+        engine = self.engine
+        victims = self.registry.evictable()
+        for adapter in victims:
+            self.registry.forget(adapter.version)
+        for adapter in victims:
+            try:
+                if engine is not None:
+                    await engine.remove_adapter(adapter.handle)
+            except Exception:  # an unload failure must not fail the trigger that caused it
+                log.exception("unloading %s failed", adapter.handle.name)
+        metrics.LOADED_ADAPTERS.set(len(self.registry.loaded))
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.require_engine().reset_prefix_cache()

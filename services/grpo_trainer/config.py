@@ -1,0 +1,125 @@
+"""From the GRPORun spec to TRL's GRPOConfig and PEFT's LoraConfig (pure builders), and refusals.
+
+The objective is TRL's: loss type, group advantages, clipping, KL, the vLLM
+importance-sampling correction (token/sequence x truncate/mask, clip) and
+off-policy sequence masking all map onto GRPOConfig fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from grpo_api.models import GRPORunSpec, LoraSpec, Mode
+from grpo_trainer.errors import UnsupportedSetting
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What this machine offers."""
+
+    cuda: bool
+    bf16: bool
+    vllm: bool
+    bitsandbytes: bool
+
+
+def check_supported(spec: GRPORunSpec, platform: Platform) -> None:
+    """Refuse settings this trainer does not implement, naming the field."""
+    if spec.mode == Mode.COLOCATE and not (platform.cuda and platform.vllm):
+        missing = [name for name, ok in (("a CUDA GPU", platform.cuda), ("vLLM", platform.vllm)) if not ok]
+        raise UnsupportedSetting(
+            f"spec.mode colocate runs vLLM inside the trainer and needs {' and '.join(missing)}, which this "
+            "machine lacks; use mode server (the default) here"
+        )
+    if spec.trainer.lora.quantize_base and not (platform.cuda and platform.bitsandbytes):
+        raise UnsupportedSetting(
+            "spec.trainer.lora.quantizeBase (QLoRA) needs a CUDA GPU and bitsandbytes; set it to false"
+        )
+
+
+def importance_sampling_mode(spec: GRPORunSpec) -> str:
+    """TRL's vllm_importance_sampling_mode: <token|sequence>_<truncate|mask>."""
+    imp = spec.trainer.importance_sampling
+    return f"{imp.level}_{imp.mode}"
+
+
+def grpo_config_kwargs(
+    spec: GRPORunSpec,
+    *,
+    output_dir: str,
+    server_url: str,
+    reward_weights: list[float],
+    platform: Platform,
+) -> dict[str, Any]:
+    """Keyword arguments of trl.GRPOConfig for this run."""
+    t = spec.trainer
+    imp = t.importance_sampling
+    colocate = spec.mode == Mode.COLOCATE
+    dtype = str(spec.model.dtype)
+    use_bf16 = platform.cuda and platform.bf16 and dtype in ("auto", "bfloat16")
+    use_fp16 = platform.cuda and dtype == "float16"
+    kwargs: dict[str, Any] = {
+        "output_dir": output_dir,
+        # Batching: one generation batch per optimizer step (steps_per_generation = grad accumulation).
+        "per_device_train_batch_size": t.per_device_batch_size,
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "num_generations": t.num_generations,
+        "max_completion_length": t.max_completion_length,
+        "max_steps": t.max_steps,
+        "learning_rate": t.learning_rate,
+        "lr_scheduler_type": t.lr_scheduler,
+        "warmup_steps": 0,
+        "seed": t.seed,
+        # Objective.
+        "loss_type": str(t.loss_type),
+        "beta": t.beta,
+        "epsilon": t.epsilon,
+        "importance_sampling_level": str(t.ratio_level),
+        "reward_weights": reward_weights,
+        "temperature": t.temperature,
+        "top_p": t.top_p,
+        "top_k": max(t.top_k, 0),  # -1 and 0 both mean "off"; TRL's convention is 0
+        # Generation through vLLM semantics: sampler logprobs feed the IS correction.
+        "use_vllm": True,
+        "vllm_mode": "colocate" if colocate else "server",
+        "vllm_server_base_url": None if colocate else server_url,
+        "vllm_server_timeout": t.generation_timeout_seconds,
+        "vllm_importance_sampling_correction": imp.enabled,
+        "vllm_importance_sampling_mode": importance_sampling_mode(spec),
+        "vllm_importance_sampling_clip_max": imp.clip_max,
+        "off_policy_mask_threshold": t.off_policy_mask_threshold,
+        # Checkpoints (resumable: optimizer, scheduler, RNG, state) and logging every step.
+        "save_strategy": "steps",
+        "save_steps": t.checkpoint_interval,
+        "save_total_limit": 2,
+        "logging_steps": 1,
+        "report_to": "none",
+        "disable_tqdm": True,
+        "log_completions": False,
+        # Platform.
+        "use_cpu": not platform.cuda,
+        "bf16": use_bf16,
+        "fp16": use_fp16,
+        "gradient_checkpointing": t.gradient_checkpointing,
+        "dataloader_num_workers": 0,
+    }
+    if colocate:
+        kwargs["vllm_enable_sleep_mode"] = True
+        if spec.model.dtype != "auto":
+            kwargs["model_init_kwargs"] = {"dtype": str(spec.model.dtype)}
+    return kwargs
+
+
+def lora_config_kwargs(lora: LoraSpec) -> dict[str, Any]:
+    """Keyword arguments of peft.LoraConfig: plain LoRA that vLLM can serve (no bias, DoRA, extra modules)."""
+    targets: str | list[str] = "all-linear" if lora.target_modules == ["all-linear"] else list(lora.target_modules)
+    return {
+        "r": lora.r,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": targets,
+        "bias": "none",
+        "use_dora": False,
+        "task_type": "CAUSAL_LM",
+    }

@@ -1,0 +1,160 @@
+"""The prompt dataset: a jsonl or parquet file, or a `save_to_disk` directory, with a prompt column.
+
+Prompts are plain strings (tokenized as they are) or conversations (a list of
+{role, content} messages; TRL applies the tokenizer's chat template). Either
+way the trainer tokenizes and the server receives token ids.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+from datasets import Dataset, DatasetDict, load_from_disk
+from datasets.table import InMemoryTable
+
+from grpo_api.models import DatasetFormat, DatasetSpec, PromptFormat
+from grpo_trainer.errors import TrainingFailed
+
+PROMPT = "prompt"
+
+
+class DatasetError(TrainingFailed):
+    """The dataset cannot be trained on; the message names the file and the field."""
+
+
+def detect_format(path: Path, declared: DatasetFormat | str) -> DatasetFormat:
+    if declared != DatasetFormat.AUTO:
+        return DatasetFormat(declared)
+    if path.is_dir():
+        return DatasetFormat.ARROW
+    if path.suffix in {".jsonl", ".json"}:
+        return DatasetFormat.JSONL
+    if path.suffix == ".parquet":
+        return DatasetFormat.PARQUET
+    raise DatasetError(
+        f"{path}: cannot tell the format from the name; set dataset.format to jsonl, parquet or arrow"
+    )
+
+
+def _read_jsonl(path: Path) -> Dataset:
+    rows: list[dict[str, Any]] = []
+    with path.open() as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f"{path} line {number}: not valid JSON: {exc}") from exc
+            if not isinstance(row, dict):
+                raise DatasetError(f"{path} line {number}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return Dataset.from_list(rows)
+
+
+def _read_saved(path: Path, split: str) -> Dataset:
+    loaded = load_from_disk(str(path))
+    if isinstance(loaded, DatasetDict):
+        if split not in loaded:
+            raise DatasetError(f"{path}: no split {split!r} (dataset.split); splits: {', '.join(loaded)}")
+        loaded = loaded[split]
+    if not isinstance(loaded, Dataset):
+        raise DatasetError(f"{path}: not a map-style dataset written by save_to_disk")
+    return loaded
+
+
+def read_dataset(path: Path, spec: DatasetSpec) -> Dataset:
+    """Read the file or directory; no validation of the columns yet."""
+    if not path.exists():
+        raise DatasetError(f"dataset.path {path} does not exist")
+    fmt = detect_format(path, spec.format)
+    try:
+        if fmt == DatasetFormat.JSONL:
+            return _read_jsonl(path)
+        if fmt == DatasetFormat.PARQUET:
+            return Dataset(InMemoryTable(pq.read_table(path)))
+        return _read_saved(path, spec.split)
+    except DatasetError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise DatasetError(f"{path}: cannot read as {fmt.value}: {exc}") from exc
+
+
+def _is_conversation(value: object) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) > 0
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    )
+
+
+def prompt_kind(dataset: Dataset, source: str, declared: PromptFormat | str) -> PromptFormat:
+    """plain or conversational, checked on every row."""
+    kinds = set()
+    for index, value in enumerate(dataset[PROMPT]):
+        if isinstance(value, str):
+            kinds.add(PromptFormat.PLAIN)
+        elif _is_conversation(value):
+            kinds.add(PromptFormat.CONVERSATIONAL)
+        else:
+            raise DatasetError(
+                f"{source} row {index}: prompt must be a string or a list of {{role, content}} messages, "
+                f"got {type(value).__name__}"
+            )
+    if len(kinds) > 1:
+        raise DatasetError(f"{source}: prompts mix plain strings and conversations; use one kind")
+    kind = kinds.pop()
+    if declared != PromptFormat.AUTO and kind != declared:
+        raise DatasetError(f"{source}: dataset.promptFormat is {PromptFormat(declared).value} but prompts are "
+                           f"{kind.value}")
+    return kind
+
+
+def load_prompts(path: Path, spec: DatasetSpec, *, tokenizer: Any, max_prompt_length: int | None,
+                 min_rows: int) -> Dataset:
+    """The training dataset with a `prompt` column, validated, long prompts dropped."""
+    dataset = read_dataset(path, spec)
+    source = str(path)
+    if spec.prompt_field not in dataset.column_names:
+        raise DatasetError(
+            f"{source}: no column {spec.prompt_field!r} (dataset.promptField); columns: "
+            f"{', '.join(dataset.column_names) or 'none'}"
+        )
+    if spec.prompt_field != PROMPT:
+        if PROMPT in dataset.column_names:
+            raise DatasetError(f"{source}: dataset.promptField is {spec.prompt_field!r} but a 'prompt' column "
+                               "exists too; rename one")
+        dataset = dataset.rename_column(spec.prompt_field, PROMPT)
+    if len(dataset) == 0:
+        raise DatasetError(f"{source}: the dataset has no rows")
+    kind = prompt_kind(dataset, source, spec.prompt_format)
+    if kind == PromptFormat.CONVERSATIONAL and not getattr(tokenizer, "chat_template", None):
+        raise DatasetError(f"{source}: prompts are conversations but the model's tokenizer has no chat template")
+    if max_prompt_length is not None:
+        before = len(dataset)
+        dataset = dataset.filter(
+            lambda row: prompt_length(tokenizer, row[PROMPT], kind) <= max_prompt_length,
+            keep_in_memory=True,
+        )
+        dropped = before - len(dataset)
+        if dropped:
+            print(f"dropped {dropped} of {before} prompts longer than {max_prompt_length} tokens "
+                  "(trainer.maxPromptLength)")
+    if len(dataset) < min_rows:
+        raise DatasetError(
+            f"{source}: {len(dataset)} usable prompts, but one step needs {min_rows} "
+            "(perDeviceBatchSize × gradientAccumulationSteps / numGenerations)"
+        )
+    return dataset
+
+
+def prompt_length(tokenizer: Any, prompt: Any, kind: PromptFormat) -> int:
+    if kind == PromptFormat.CONVERSATIONAL:
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return len(ids)
+    return len(tokenizer(prompt)["input_ids"])

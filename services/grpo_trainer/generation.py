@@ -1,0 +1,238 @@
+"""Generation through the server, with the guarantees the loss depends on.
+
+No generation from the wrong policy reaches the loss: every answer's boot id
+and adapter version are checked before TRL sees it. An answer from a restarted
+server (new boot id) makes the trainer re-publish its current adapter and
+generate the batch again; an answer from an adapter older than the staleness
+bound is generated again too.
+
+With async prefetch, the batches of the next `depth` steps are requested in a
+background thread while the current step trains. Which prompts come next is
+known from the sampler's schedule (see trl_overrides.ScheduleRecordingSampler);
+a prefetched answer is used only if it is for exactly the prompts requested.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from grpo_trainer.client import Completions, ServerClient
+from grpo_trainer.errors import TrainingFailed
+from grpo_trainer.metrics import TrainerMetrics
+from grpo_trainer.publish import AdapterStore
+from grpo_trainer.sync import AdapterSync
+
+#: Times one batch may be discarded and generated again before the run fails.
+MAX_REGENERATIONS = 4
+
+PromptIds = list[list[int]]
+
+
+def staleness_bound(sync_interval: int, prefetch_depth: int) -> int:
+    """Largest accepted staleness in steps.
+
+    Without prefetch a batch is generated right after the latest sync, so it is at
+    most sync_interval - 1 steps behind; each prefetched step adds one. This stays
+    within the documented bound of syncInterval + prefetchDepth.
+    """
+    return sync_interval - 1 + prefetch_depth
+
+
+def generation_batches(indices: Sequence[int], chunk: int, mini_repeat: int, repeat: int) -> list[list[int]]:
+    """Unique dataset rows of each generation batch in a RepeatSampler stream.
+
+    The stream repeats each chunk of `chunk` rows `repeat` times, each row `mini_repeat` times
+    in a row; TRL generates once per chunk, for its unique rows in order.
+    """
+    block = chunk * mini_repeat * repeat
+    return [list(indices[start : start + chunk * mini_repeat : mini_repeat]) for start in range(0, len(indices), block)]
+
+
+@dataclass
+class _Pending:
+    position: int
+    prompt_ids: PromptIds
+    future: concurrent.futures.Future[Completions]
+
+
+@dataclass
+class Prefetcher:
+    """Requests the next `depth` generation batches ahead, in order, on one worker thread."""
+
+    depth: int
+    request: Callable[[PromptIds], Completions]
+    tokenize_rows: Callable[[list[int]], PromptIds]
+    schedule: list[list[int]] = field(default_factory=list)
+    cursor: int = 0
+    _queue: deque[_Pending] = field(default_factory=deque)
+    _tokenized: dict[int, PromptIds] = field(default_factory=dict)
+    _pool: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpo-prefetch")
+    )
+
+    def set_schedule(self, batches: list[list[int]]) -> None:
+        """A new epoch's generation batches (unique dataset rows per batch)."""
+        self.schedule = batches
+        self.cursor = 0
+        self._tokenized.clear()
+
+    def _prompts_at(self, position: int) -> PromptIds:
+        if position not in self._tokenized:
+            self._tokenized[position] = self.tokenize_rows(self.schedule[position])
+        return self._tokenized[position]
+
+    def _locate(self, prompt_ids: PromptIds) -> int | None:
+        """Schedule position of this batch: normally the cursor; after a resume, further on."""
+        for position in range(self.cursor, len(self.schedule)):
+            if self._prompts_at(position) == prompt_ids:
+                return position
+        return None
+
+    def take(self, prompt_ids: PromptIds) -> concurrent.futures.Future[Completions]:
+        """The answer for these prompts (prefetched, or requested now), then prefetch what follows."""
+        position = self._locate(prompt_ids)
+        current: concurrent.futures.Future[Completions] | None = None
+        while self._queue:
+            pending = self._queue.popleft()
+            if position is not None and pending.position == position and pending.prompt_ids == prompt_ids:
+                current = pending.future
+                break
+            pending.future.cancel()
+        if current is None:
+            current = self._pool.submit(self.request, prompt_ids)
+        if position is not None:
+            self.cursor = position + 1
+            queued = {p.position for p in self._queue}
+            for ahead in range(self.cursor, min(self.cursor + self.depth, len(self.schedule))):
+                if ahead not in queued:
+                    ids = self._prompts_at(ahead)
+                    self._queue.append(_Pending(ahead, ids, self._pool.submit(self.request, ids)))
+        return current
+
+    def discard(self) -> int:
+        """Drop every prefetched batch (after a server restart); returns how many."""
+        dropped = len(self._queue)
+        while self._queue:
+            self._queue.popleft().future.cancel()
+        return dropped
+
+    def close(self) -> None:
+        self.discard()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class GenerationBackend:
+    """Turns TRL's generate call into checked requests to the server."""
+
+    def __init__(
+        self,
+        client: ServerClient,
+        sync: AdapterSync,
+        store: AdapterStore,
+        metrics: TrainerMetrics,
+        *,
+        model_name: str,
+        sampling: dict[str, Any],
+        num_generations: int,
+        bound: int,
+        seed: int,
+        current_step: Callable[[], int],
+        republish: Callable[[], None],
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.client = client
+        self.sync = sync
+        self.store = store
+        self.metrics = metrics
+        self.model_name = model_name
+        self.sampling = sampling
+        self.num_generations = num_generations
+        self.bound = bound
+        self.seed = seed
+        self.current_step = current_step
+        self.republish = republish
+        self.prefetcher: Prefetcher | None = None
+        self._log = log
+        self._request_ids = itertools.count(1)
+        self.last_staleness: int | None = None
+        metrics.staleness_bound_steps.set(bound)
+
+    def enable_prefetch(self, depth: int, tokenize_rows: Callable[[list[int]], PromptIds]) -> Prefetcher:
+        self.prefetcher = Prefetcher(depth=depth, request=self._request, tokenize_rows=tokenize_rows)
+        return self.prefetcher
+
+    def _request(self, prompt_ids: PromptIds) -> Completions:
+        # A distinct, reproducible seed per request: the same run samples the same completions.
+        request_id = next(self._request_ids)
+        sampling = {**self.sampling, "seed": (self.seed * 1_000_003 + request_id) % (2**31)}
+        return self.client.completions(
+            model=self.model_name, prompts=prompt_ids, n=self.num_generations, sampling=sampling
+        )
+
+    def _fetch(self, prompt_ids: PromptIds, *, fresh: bool) -> Completions:
+        if self.prefetcher is not None and not fresh:
+            return self.prefetcher.take(prompt_ids).result()
+        return self._request(prompt_ids)
+
+    def verdict(self, result: Completions) -> str | None:
+        """Why this answer must not reach the loss, or None if it may."""
+        if self.sync.boot_id is not None and result.boot_id != self.sync.boot_id:
+            return "server_restarted"
+        latest = self.sync.active.version if self.sync.active is not None else None
+        if result.adapter_version is not None and (latest is None or result.adapter_version > latest):
+            return "unknown_adapter"
+        staleness = self.staleness_of(result)
+        if staleness is None or staleness > self.bound:
+            return "stale_adapter"
+        return None
+
+    def staleness_of(self, result: Completions) -> int | None:
+        """Steps between the adapter that generated the batch and the step training on it."""
+        adapter_step = 0 if result.adapter_version is None else self.store.step_of(result.adapter_version)
+        if adapter_step is None:
+            return None
+        return self.current_step() - adapter_step
+
+    def generate(self, prompt_ids: PromptIds) -> Completions:
+        """Completions for the unique prompts of one batch, from the policy TRL expects."""
+        fresh = False
+        for _ in range(MAX_REGENERATIONS + 1):
+            result = self._fetch(prompt_ids, fresh=fresh)
+            reason = self.verdict(result)
+            if reason is None:
+                self._record(result)
+                return result
+            self.metrics.discarded_batches.labels(reason).inc()
+            self._log(
+                f"discarded a generated batch ({reason}: boot {result.boot_id}, adapter "
+                f"v{result.adapter_version}, step {self.current_step()})"
+            )
+            if reason == "server_restarted":
+                if self.prefetcher is not None:
+                    self.prefetcher.discard()
+                self.sync.note_boot(result.boot_id)
+                self.republish()
+            fresh = True
+        raise TrainingFailed(
+            f"could not get a batch generated by the current policy after {MAX_REGENERATIONS + 1} tries "
+            "(see the discarded-batch messages above)"
+        )
+
+    def _record(self, result: Completions) -> None:
+        staleness = self.staleness_of(result)
+        if staleness is not None:
+            self.last_staleness = staleness
+            self.metrics.staleness_steps.observe(staleness)
+        self.metrics.generation_seconds.observe(result.seconds)
+        self.metrics.generated_tokens.inc(result.num_tokens)
+        if result.seconds > 0:
+            self.metrics.generation_tokens_per_second.set(result.num_tokens / result.seconds)
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()

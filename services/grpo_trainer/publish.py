@@ -1,0 +1,142 @@
+"""Publishing adapter versions on the shared volume: `<adapter root>/v<N>/` + manifest.
+
+A version is written into a hidden temporary directory under the adapter root,
+checked (vLLM must be able to serve it as a plain LoRA), given a manifest,
+fsynced and renamed atomically to `v<N>`: the server never sees a half-written
+version. The format itself is `grpo_api.adapters`, shared with the server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpo_api.adapters import (
+    ManifestError,
+    build_manifest,
+    fsync_tree,
+    list_versions,
+    read_manifest,
+    version_dir,
+    write_manifest,
+)
+from grpo_trainer.errors import TrainingFailed
+
+TMP_PREFIX = ".tmp-"
+ADAPTER_CONFIG = "adapter_config.json"
+#: LoRA targets a served adapter may not touch (vLLM cannot load them as plain LoRA).
+FORBIDDEN_TARGETS = ("lm_head", "embed_tokens")
+
+
+@dataclass(frozen=True)
+class PublishedAdapter:
+    """One adapter version, complete on the volume."""
+
+    version: int
+    step: int
+    path: Path
+    sha256: str
+    size_bytes: int
+
+
+def check_servable(adapter_dir: Path) -> None:
+    """Refuse an adapter vLLM cannot serve as plain LoRA (DoRA, bias, modules_to_save, lm_head/embeddings)."""
+    config_path = adapter_dir / ADAPTER_CONFIG
+    if not config_path.is_file():
+        raise TrainingFailed(f"{config_path} missing: the saved adapter is not a PEFT LoRA adapter")
+    config = json.loads(config_path.read_text())
+    problems = []
+    if config.get("peft_type", "LORA") != "LORA":
+        problems.append(f"peft_type is {config.get('peft_type')}, not LORA")
+    if config.get("use_dora"):
+        problems.append("use_dora is set")
+    if config.get("bias", "none") != "none":
+        problems.append(f"bias is {config.get('bias')!r}, not 'none'")
+    if config.get("modules_to_save"):
+        problems.append(f"modules_to_save is {config.get('modules_to_save')}")
+    targets = config.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    bad = [t for t in targets if any(f in t for f in FORBIDDEN_TARGETS)]
+    if bad:
+        problems.append(f"target_modules include {bad}")
+    if problems:
+        raise TrainingFailed(f"{adapter_dir}: adapter cannot be served by vLLM as plain LoRA: {'; '.join(problems)}")
+
+
+def _dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class AdapterStore:
+    """The adapter root of a run: publishes new versions and prunes old ones."""
+
+    def __init__(self, root: Path, base_model_fingerprint: str) -> None:
+        self.root = root
+        self.base_model_fingerprint = base_model_fingerprint
+        self._steps: dict[int, int] = {}
+
+    def next_version(self) -> int:
+        """One above every version on the volume (a new attempt never reuses a directory name)."""
+        known = list_versions(self.root)
+        return max([0, *known, *self._steps]) + 1
+
+    def publish(self, save: Callable[[Path], None], step: int) -> PublishedAdapter:
+        """Save via `save(dir)`, check, write the manifest, fsync, rename to v<N>."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        version = self.next_version()
+        tmp = self.root / f"{TMP_PREFIX}v{version}-{uuid.uuid4().hex[:8]}"
+        try:
+            save(tmp)
+            check_servable(tmp)
+            manifest = build_manifest(
+                tmp, version=version, step=step, base_model_fingerprint=self.base_model_fingerprint
+            )
+            write_manifest(tmp, manifest)
+            fsync_tree(tmp)
+            final = version_dir(self.root, version)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._steps[version] = step
+        return PublishedAdapter(
+            version=version, step=step, path=final, sha256=manifest.digest(), size_bytes=_dir_size(final)
+        )
+
+    def step_of(self, version: int) -> int | None:
+        """Optimizer step a version was saved at (from memory, else its manifest); None if unknown."""
+        if version in self._steps:
+            return self._steps[version]
+        try:
+            step = read_manifest(version_dir(self.root, version)).step
+        except ManifestError:
+            return None
+        self._steps[version] = step
+        return step
+
+    def prune(self, keep_from: int) -> list[int]:
+        """Delete versions below keep_from and leftover temporary directories; returns the versions deleted."""
+        removed = []
+        for version in list_versions(self.root):
+            if version < keep_from:
+                shutil.rmtree(version_dir(self.root, version), ignore_errors=True)
+                removed.append(version)
+        if self.root.is_dir():
+            for child in self.root.iterdir():
+                if child.name.startswith(TMP_PREFIX) and child.is_dir():
+                    shutil.rmtree(child, ignore_errors=True)
+        return removed

@@ -1,0 +1,249 @@
+"""Reward functions: built-ins by name and user functions by `module:function`.
+
+All follow TRL's contract: `fn(prompts, completions, completion_ids, **columns,
+trainer_state, ...) -> list[float | None]`, one value per completion. Each is
+wrapped so that a function that raises, or returns the wrong number of values,
+fails the run with the function's name (as written in the spec) in the error.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from grpo_api.models import RewardSpec
+from grpo_trainer.errors import RewardFunctionFailed, TrainingFailed
+
+RewardFunc = Callable[..., Any]
+
+
+class RewardConfigError(TrainingFailed):
+    """A reward in the spec cannot be built; the message names `rewards[i]`."""
+
+
+@dataclass(frozen=True)
+class RewardContext:
+    """What built-ins may need to know about the run."""
+
+    max_completion_length: int
+    dataset_columns: tuple[str, ...]
+
+
+def completion_text(completion: Any) -> str:
+    """Text of a plain completion (str) or a conversational one ([{role: assistant, content}])."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        content = completion[-1].get("content", "")
+        return content if isinstance(content, str) else str(content)
+    return str(completion)
+
+
+# ------------------------------------------------------------------------------------------- built-ins
+
+
+def exact_match(
+    completions: list[Any], *, column: str = "answer", strip: bool = True, **kwargs: Any
+) -> list[float]:
+    """1.0 when the completion equals the row's answer column, else 0.0."""
+    answers = kwargs[column]
+
+    def norm(text: str) -> str:
+        return text.strip() if strip else text
+
+    return [
+        1.0 if norm(completion_text(c)) == norm(str(a)) else 0.0 for c, a in zip(completions, answers, strict=True)
+    ]
+
+
+def regex_match(completions: list[Any], *, pattern: re.Pattern[str], fullmatch: bool = False,
+                **_: Any) -> list[float]:
+    """1.0 when the completion matches the pattern (search, or fullmatch), else 0.0."""
+    match = pattern.fullmatch if fullmatch else pattern.search
+    return [1.0 if match(completion_text(c)) else 0.0 for c in completions]
+
+
+def length_penalty(completion_ids: list[list[int]], *, max_length: int, target: int = 0,
+                   **_: Any) -> list[float]:
+    """-|tokens - target| / max_length: 0 at the target length, -1 a full max_length away."""
+    return [-abs(len(ids) - target) / max_length for ids in completion_ids]
+
+
+def token_fraction(completion_ids: list[list[int]], *, low: int, high: int, max_length: int,
+                   **_: Any) -> list[float]:
+    """Number of completion tokens with id in [low, high), divided by the maximum completion length.
+
+    Dividing by the maximum (not the completion's own length) keeps a short
+    completion with one lucky token from scoring 1.
+    """
+    return [sum(1 for t in ids if low <= t < high) / max_length for ids in completion_ids]
+
+
+def _require_int(args: dict[str, Any], key: str, where: str) -> int:
+    if key not in args:
+        raise RewardConfigError(f"{where}.args.{key} is required")
+    value = args[key]
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise RewardConfigError(f"{where}.args.{key} must be an integer, got {value!r}")
+    return value
+
+
+def _check_args(args: dict[str, Any], allowed: set[str], where: str) -> None:
+    unknown = sorted(set(args) - allowed)
+    if unknown:
+        raise RewardConfigError(f"{where}.args: unknown argument(s) {unknown}; allowed: {sorted(allowed)}")
+
+
+def _build_exact_match(args: dict[str, Any], ctx: RewardContext, where: str) -> RewardFunc:
+    _check_args(args, {"column", "strip"}, where)
+    column = str(args.get("column", "answer"))
+    if column not in ctx.dataset_columns:
+        raise RewardConfigError(
+            f"{where} exact_match compares with column {column!r}, which the dataset lacks "
+            f"(columns: {', '.join(ctx.dataset_columns)}); set {where}.args.column"
+        )
+    return functools.partial(exact_match, column=column, strip=bool(args.get("strip", True)))
+
+
+def _build_regex_match(args: dict[str, Any], ctx: RewardContext, where: str) -> RewardFunc:
+    _check_args(args, {"pattern", "fullmatch"}, where)
+    if "pattern" not in args:
+        raise RewardConfigError(f"{where}.args.pattern is required for regex_match")
+    try:
+        pattern = re.compile(str(args["pattern"]))
+    except re.error as exc:
+        raise RewardConfigError(f"{where}.args.pattern is not a valid regular expression: {exc}") from exc
+    return functools.partial(regex_match, pattern=pattern, fullmatch=bool(args.get("fullmatch", False)))
+
+
+def _build_length_penalty(args: dict[str, Any], ctx: RewardContext, where: str) -> RewardFunc:
+    _check_args(args, {"target", "max_length"}, where)
+    target = _require_int(args, "target", where) if "target" in args else 0
+    max_length = _require_int(args, "max_length", where) if "max_length" in args else ctx.max_completion_length
+    if max_length < 1:
+        raise RewardConfigError(f"{where}.args.max_length must be at least 1")
+    return functools.partial(length_penalty, max_length=max_length, target=target)
+
+
+def _build_token_fraction(args: dict[str, Any], ctx: RewardContext, where: str) -> RewardFunc:
+    _check_args(args, {"low", "high"}, where)
+    low, high = _require_int(args, "low", where), _require_int(args, "high", where)
+    if not 0 <= low < high:
+        raise RewardConfigError(f"{where}.args: need 0 <= low < high, got low={low} high={high}")
+    return functools.partial(token_fraction, low=low, high=high, max_length=ctx.max_completion_length)
+
+
+BUILTINS: dict[str, Callable[[dict[str, Any], RewardContext, str], RewardFunc]] = {
+    "exact_match": _build_exact_match,
+    "regex_match": _build_regex_match,
+    "length_penalty": _build_length_penalty,
+    "token_fraction": _build_token_fraction,
+}
+
+
+# ---------------------------------------------------------------------------------------- user functions
+
+
+def import_user_function(path: str, search_paths: Sequence[Path], where: str) -> RewardFunc:
+    """Import `module:function`, looking in search_paths (dataset dir, volume) before installed packages."""
+    module_name, _, func_name = path.partition(":")
+    for directory in reversed(search_paths):
+        if directory.is_dir() and str(directory) not in sys.path:
+            sys.path.insert(0, str(directory))
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        searched = ", ".join(str(p) for p in search_paths)
+        raise RewardConfigError(
+            f"{where}: cannot import module {module_name!r} for reward {path!r} "
+            f"({type(exc).__name__}: {exc}); searched {searched} and installed packages"
+        ) from exc
+    func = getattr(module, func_name, None)
+    if func is None or not callable(func):
+        raise RewardConfigError(f"{where}: module {module_name!r} has no callable {func_name!r}")
+    return func
+
+
+# -------------------------------------------------------------------------------------------- wrapping
+
+
+def _check_output(name: str, output: Any, expected: int) -> list[float | None]:
+    if not isinstance(output, list | tuple):
+        raise RewardFunctionFailed(
+            f"reward function {name!r} returned {type(output).__name__}, expected a list of {expected} floats"
+        )
+    if len(output) != expected:
+        raise RewardFunctionFailed(
+            f"reward function {name!r} returned {len(output)} rewards for {expected} completions"
+        )
+    return list(output)
+
+
+def _is_async(func: RewardFunc) -> bool:
+    """Async functions, partials of them, and instances with an async __call__ (TRL awaits all three)."""
+    if inspect.iscoroutinefunction(func):
+        return True
+    return not inspect.isroutine(func) and not isinstance(func, functools.partial) and (
+        inspect.iscoroutinefunction(type(func).__call__)
+    )
+
+
+def named_reward(name: str, func: RewardFunc) -> RewardFunc:
+    """Wrap func so TRL logs it under `name` and its failures name it."""
+    if _is_async(func):
+
+        async def async_wrapper(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
+            try:
+                output = await func(prompts=prompts, completions=completions, **kwargs)
+            except RewardFunctionFailed:
+                raise
+            except Exception as exc:
+                raise RewardFunctionFailed(f"reward function {name!r} raised {type(exc).__name__}: {exc}") from exc
+            return _check_output(name, output, len(completions))
+
+        async_wrapper.__name__ = async_wrapper.__qualname__ = name
+        return async_wrapper
+
+    def wrapper(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
+        try:
+            output = func(prompts=prompts, completions=completions, **kwargs)
+        except RewardFunctionFailed:
+            raise
+        except Exception as exc:
+            raise RewardFunctionFailed(f"reward function {name!r} raised {type(exc).__name__}: {exc}") from exc
+        return _check_output(name, output, len(completions))
+
+    wrapper.__name__ = wrapper.__qualname__ = name
+    return wrapper
+
+
+def build_rewards(
+    specs: Sequence[RewardSpec], ctx: RewardContext, search_paths: Sequence[Path]
+) -> tuple[list[RewardFunc], list[float]]:
+    """The wrapped reward functions and their weights, in spec order."""
+    funcs: list[RewardFunc] = []
+    names: set[str] = set()
+    for index, spec in enumerate(specs):
+        where = f"rewards[{index}]"
+        if ":" in spec.function:
+            func = import_user_function(spec.function, search_paths, where)
+            if spec.args:
+                func = functools.partial(func, **spec.args)
+        elif spec.function in BUILTINS:
+            func = BUILTINS[spec.function](dict(spec.args), ctx, where)
+        else:
+            raise RewardConfigError(
+                f"{where}.function {spec.function!r} is not a built-in ({', '.join(BUILTINS)}) "
+                "nor a module:function path"
+            )
+        name = spec.function if spec.function not in names else f"{spec.function}#{index}"
+        names.add(name)
+        funcs.append(named_reward(name, func))
+    return funcs, [spec.weight for spec in specs]

@@ -1,0 +1,257 @@
+"""One training attempt, start to finish.
+
+Order matters: the cheap checks that can refuse the run (server reachable,
+same base model, fresh server unless resuming) come before the heavy imports
+and model loading, so a misconfigured attempt fails in seconds with a reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from grpo_api.fingerprint import model_fingerprint
+from grpo_api.models import Mode
+from grpo_api.protocol import ENV_ATTEMPT, HealthResponse, TrainingProgress
+from grpo_api.runconfig import RunConfig
+from grpo_trainer.checkpoints import latest_complete, remove_incomplete
+from grpo_trainer.client import ServerClient
+from grpo_trainer.errors import ServerMismatch, TrainingFailed
+from grpo_trainer.metrics import TrainerMetrics, metrics_port
+from grpo_trainer.publish import AdapterStore
+from grpo_trainer.sync import AdapterSync
+
+log: Callable[[str], None] = functools.partial(print, flush=True)
+
+
+def attempt_from_env() -> int:
+    raw = os.environ.get(ENV_ATTEMPT, "1") or "1"
+    try:
+        return max(int(raw), 1)
+    except ValueError as exc:
+        raise TrainingFailed(f"${ENV_ATTEMPT} must be an integer, got {raw!r}") from exc
+
+
+def resolve_model_dir(cfg: RunConfig) -> Path:
+    """spec.model.path (resolved against the run) if set, else spec.model.name as a directory or cached hub id."""
+    model = cfg.spec.model
+    if model.path:
+        path = cfg.resolve(model.path)
+        if not (path / "config.json").is_file():
+            raise TrainingFailed(f"spec.model.path {path} is not a Hugging Face model directory (no config.json)")
+        return path
+    direct = Path(model.name).expanduser()
+    if (direct / "config.json").is_file():
+        return direct
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model.name, revision=model.revision, local_files_only=True))
+    except Exception as exc:
+        raise TrainingFailed(
+            f"spec.model.name {model.name!r} is neither a model directory nor in the local model cache "
+            f"(HF_HOME={os.environ.get('HF_HOME', '~/.cache/huggingface')}); set spec.model.path"
+        ) from exc
+
+
+def handshake(client: ServerClient, *, fingerprint: str, model_dir: Path, resuming: bool,
+              timeout: float) -> HealthResponse:
+    """The server must serve our base model and, unless we resume, no adapter yet."""
+    health = client.wait_healthy(timeout)
+    if health.model_fingerprint != fingerprint:
+        raise ServerMismatch(
+            f"base model mismatch: server {client.base_url} serves model {health.model!r} with fingerprint "
+            f"{health.model_fingerprint}, but the trainer's base model {model_dir} has fingerprint {fingerprint}. "
+            "Training against a different base model would silently corrupt the run; point both at the same model."
+        )
+    if health.adapter is not None and not resuming:
+        raise ServerMismatch(
+            f"server {client.base_url} (boot {health.boot_id}) already has adapter v{health.adapter.version} "
+            f"({health.adapter.path}) active, but this attempt starts from step 0 with no checkpoint: it needs a "
+            "fresh server"
+        )
+    return health
+
+
+def run_training(cfg: RunConfig, *, attempt: int) -> TrainingProgress:
+    """Train the run described by cfg; raises TrainingFailed (with the reason) if it cannot finish."""
+    spec = cfg.spec
+    t = spec.trainer
+    server_mode = spec.mode == Mode.SERVER
+    model_dir = resolve_model_dir(cfg)
+    fingerprint = model_fingerprint(model_dir)
+    checkpoint_root = Path(cfg.paths.checkpoint_dir)
+    resume = latest_complete(checkpoint_root)
+    metrics = TrainerMetrics()
+    metrics.max_steps.set(t.max_steps)
+    store = AdapterStore(Path(cfg.paths.adapter_root), fingerprint)
+
+    client: ServerClient | None = None
+    health: HealthResponse | None = None
+    if server_mode:
+        client = ServerClient(
+            cfg.server_url,
+            token=cfg.read_token(),
+            generation_timeout=t.generation_timeout_seconds,
+            on_retry=metrics.generation_retries.inc,
+        )
+        health = handshake(client, fingerprint=fingerprint, model_dir=model_dir, resuming=resume is not None,
+                           timeout=t.generation_timeout_seconds)
+        log(f"server {cfg.server_url} ok: model {health.model}, boot {health.boot_id}, engine {health.engine}")
+    sync = AdapterSync(store, client, metrics, boot_id=health.boot_id if health else None,
+                       retry_seconds=t.generation_timeout_seconds, log=log)
+    try:
+        return _train(cfg, attempt=attempt, model_dir=model_dir, resume=resume, metrics=metrics, store=store,
+                      sync=sync, client=client, health=health)
+    finally:
+        if client is not None:
+            client.close()
+
+
+def _train(
+    cfg: RunConfig,
+    *,
+    attempt: int,
+    model_dir: Path,
+    resume: Path | None,
+    metrics: TrainerMetrics,
+    store: AdapterStore,
+    sync: AdapterSync,
+    client: ServerClient | None,
+    health: HealthResponse | None,
+) -> TrainingProgress:
+    # Heavy imports only once the run is known to be viable.
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig
+
+    from grpo_trainer.config import check_supported, grpo_config_kwargs, lora_config_kwargs
+    from grpo_trainer.data import load_prompts
+    from grpo_trainer.generation import GenerationBackend, staleness_bound
+    from grpo_trainer.rewards import RewardContext, build_rewards
+    from grpo_trainer.session import SessionCallback, TrainingSession
+    from grpo_trainer.trl_overrides import ServerGRPOTrainer, check_surface, server_generation_installed
+
+    spec = cfg.spec
+    t = spec.trainer
+    platform = _platform(torch)
+    check_supported(spec, platform)
+    check_surface()
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    dataset_path = cfg.resolve(spec.dataset.path)
+    prompts_per_step = t.generation_batch_size // t.num_generations
+    dataset = load_prompts(dataset_path, spec.dataset, tokenizer=tokenizer, max_prompt_length=t.max_prompt_length,
+                           min_rows=prompts_per_step)
+    search_paths = [dataset_path.parent if dataset_path.is_file() else dataset_path, Path(cfg.paths.volume_root)]
+    reward_funcs, weights = build_rewards(
+        spec.rewards,
+        RewardContext(max_completion_length=t.max_completion_length,
+                      dataset_columns=tuple(dataset.column_names)),
+        search_paths,
+    )
+    try:
+        args = GRPOConfig(**grpo_config_kwargs(spec, output_dir=cfg.paths.checkpoint_dir,
+                                               server_url=cfg.server_url, reward_weights=weights,
+                                               platform=platform))
+    except ValueError as exc:
+        raise TrainingFailed(f"spec.trainer settings rejected by TRL: {exc}") from exc
+    model = _load_model(model_dir, spec.model.dtype, quantize=t.lora.quantize_base, platform=platform)
+    session = TrainingSession(sync=sync, metrics=metrics, progress_file=Path(cfg.paths.progress_file),
+                              max_steps=t.max_steps, sync_interval=t.sync_interval, attempt=attempt, log=log)
+    trainer_kwargs: dict[str, Any] = {
+        "model": model,
+        "reward_funcs": reward_funcs,
+        "args": args,
+        "train_dataset": dataset,
+        "processing_class": tokenizer,
+        "peft_config": LoraConfig(**lora_config_kwargs(t.lora)),
+        "callbacks": [SessionCallback(session)],
+    }
+    backend: GenerationBackend | None = None
+    if client is not None and health is not None:
+        depth = t.prefetch_depth if t.async_prefetch else 0
+        backend = GenerationBackend(
+            client, sync, store, metrics,
+            model_name=health.model,
+            sampling={},
+            num_generations=t.num_generations,
+            bound=staleness_bound(t.sync_interval, depth),
+            seed=t.seed,
+            current_step=session.current_step,
+            republish=session.republish,
+            log=log,
+        )
+        with server_generation_installed(backend):
+            trainer = ServerGRPOTrainer(**trainer_kwargs)
+        if depth:
+            prefetcher = backend.enable_prefetch(
+                depth, lambda rows: trainer.prompt_token_ids([dataset[i]["prompt"] for i in rows])
+            )
+            trainer.schedule_listener = prefetcher.set_schedule
+        session.staleness = lambda: backend.last_staleness if backend else None
+    else:
+        trainer = ServerGRPOTrainer(**trainer_kwargs)
+    session.bind(trainer)
+
+    metrics.serve(metrics_port(t.metrics_port))
+    removed = remove_incomplete(Path(cfg.paths.checkpoint_dir))
+    for path in removed:
+        log(f"removed interrupted checkpoint {path}")
+    if resume is not None:
+        log(f"resuming from {resume}")
+    try:
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    finally:
+        if backend is not None:
+            backend.close()
+    progress = session.finish()
+    log(f"done: step {progress.step}/{progress.max_steps}, adapter v{progress.adapter_version}")
+    return progress
+
+
+def _platform(torch: Any) -> Any:
+    from grpo_trainer.config import Platform
+
+    cuda = bool(torch.cuda.is_available())
+    return Platform(
+        cuda=cuda,
+        bf16=cuda and bool(torch.cuda.is_bf16_supported()),
+        vllm=_importable("vllm"),
+        bitsandbytes=_importable("bitsandbytes"),
+    )
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _load_model(model_dir: Path, dtype: str, *, quantize: bool, platform: Any) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if not platform.cuda:
+        torch_dtype = torch.float32  # CPU: train in float32 whatever the checkpoint's dtype
+    elif str(dtype) == "auto":
+        torch_dtype = torch.bfloat16 if platform.bf16 else torch.float16
+    else:
+        torch_dtype = getattr(torch, str(dtype))
+    kwargs: dict[str, Any] = {"dtype": torch_dtype}
+    if quantize:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch_dtype
+        )
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
+    if quantize:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model)
+    return model

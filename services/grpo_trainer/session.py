@@ -1,0 +1,183 @@
+"""The run's state while TRL trains: adapter sync, progress, metrics, checkpoint markers.
+
+`SessionCallback` is a thin Hugging Face TrainerCallback; the decisions live in
+`TrainingSession` so they read in one place:
+
+- train begin: when resuming, publish the checkpoint's adapter (the model holds
+  it now) so the server generates from it;
+- step end: publish every `syncInterval` optimizer steps and at the last step;
+- log (every step): metrics and the progress file;
+- save: mark the checkpoint complete (it becomes resumable).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from grpo_api.adapters import read_manifest
+from grpo_api.protocol import TrainingProgress
+from grpo_trainer.checkpoints import mark_complete
+from grpo_trainer.metrics import TrainerMetrics
+from grpo_trainer.progress import now, write_progress
+from grpo_trainer.sync import AdapterSync, SyncResult
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+class TrainingSession:
+    def __init__(
+        self,
+        *,
+        sync: AdapterSync,
+        metrics: TrainerMetrics,
+        progress_file: Path,
+        max_steps: int,
+        sync_interval: int,
+        attempt: int,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.sync = sync
+        self.metrics = metrics
+        self.progress_file = progress_file
+        self.max_steps = max_steps
+        self.sync_interval = sync_interval
+        self.attempt = attempt
+        self.trainer: Any = None
+        self.last_sync: SyncResult | None = None
+        self.staleness: Callable[[], int | None] = lambda: None
+        self._log = log
+        self._last_reward: tuple[float | None, float | None] = (None, None)
+
+    def bind(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def current_step(self) -> int:
+        return int(self.trainer.state.global_step) if self.trainer is not None else 0
+
+    # ------------------------------------------------------------------------------------------ adapters
+
+    def save_adapter(self, directory: Path) -> None:
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        model.save_pretrained(str(directory))
+
+    def publish(self, step: int, reason: str) -> SyncResult:
+        result = self.sync.sync(self.save_adapter, step)
+        self.last_sync = result
+        adapter = result.adapter
+        weights = read_manifest(adapter.path).files.get(ADAPTER_WEIGHTS, "?")
+        self._log(
+            f"published adapter v{adapter.version} (step {step}, {reason}): {adapter.size_bytes} bytes, "
+            f"{result.seconds:.2f}s, weights sha256 {weights}"
+        )
+        self.write_progress(step, done=False)
+        return result
+
+    def republish(self) -> None:
+        """After a server restart: make the trainer's current policy active on the new server."""
+        step = self.current_step()
+        if step == 0 and self.sync.active is None:
+            return  # nothing trained yet: the fresh server's base model is the policy
+        self.publish(step, "server restarted")
+
+    # ------------------------------------------------------------------------------------------- events
+
+    def on_train_begin(self, state: TrainerState) -> None:
+        if state.global_step > 0:
+            self.publish(state.global_step, f"resumed from checkpoint-{state.global_step}")
+        self.metrics.step.set(state.global_step)
+        self.write_progress(state.global_step, done=False)
+
+    def on_step_end(self, state: TrainerState) -> None:
+        step = state.global_step
+        self.metrics.step.set(step)
+        if step % self.sync_interval == 0 or step >= self.max_steps:
+            self.publish(step, "sync")
+
+    def on_log(self, state: TrainerState, logs: dict[str, Any]) -> None:
+        self.metrics.observe_trl_logs(logs)
+        if "reward" not in logs:
+            return  # the end-of-training summary, not a step
+        reward, std = _number(logs.get("reward")), _number(logs.get("reward_std"))
+        self._last_reward = (reward, std)
+        self.write_progress(state.global_step, done=False)
+        version = self.sync.active.version if self.sync.active else None
+        staleness = self.staleness()
+        self._log(
+            f"step {state.global_step}/{self.max_steps} reward {_fmt(reward)} std {_fmt(std)} "
+            f"loss {_fmt(_number(logs.get('loss')))} adapter v{version} staleness {staleness} "
+            f"attempt {self.attempt}"
+        )
+
+    def on_save(self, state: TrainerState, output_dir: str) -> None:
+        checkpoint = Path(output_dir) / f"checkpoint-{state.global_step}"
+        version = self.sync.active.version if self.sync.active else None
+        mark_complete(checkpoint, step=state.global_step, attempt=self.attempt, adapter_version=version)
+        self.metrics.checkpoint_step.set(state.global_step)
+        self._log(f"checkpoint {checkpoint} complete (step {state.global_step})")
+
+    def write_progress(self, step: int, *, done: bool) -> TrainingProgress:
+        reward, std = self._last_reward
+        progress = TrainingProgress(
+            step=step,
+            max_steps=self.max_steps,
+            reward_mean=reward,
+            reward_std=std,
+            adapter_version=self.sync.active.version if self.sync.active else None,
+            sync_seconds=self.last_sync.seconds if self.last_sync else None,
+            attempt=self.attempt,
+            done=done,
+            updated_at=now(),
+        )
+        write_progress(self.progress_file, progress)
+        return progress
+
+    def finish(self) -> TrainingProgress:
+        step = self.current_step()
+        return self.write_progress(step, done=step >= self.max_steps)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, int | float) and not math.isnan(value):
+        return float(value)
+    return None
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+class SessionCallback(TrainerCallback):
+    """Forwards the Trainer's events to the session."""
+
+    def __init__(self, session: TrainingSession) -> None:
+        self.session = session
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self.session.on_train_begin(state)
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self.session.on_step_end(state)
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.session.on_log(state, logs or {})
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self.session.on_save(state, str(args.output_dir))

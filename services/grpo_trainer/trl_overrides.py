@@ -1,0 +1,245 @@
+"""Every place the project overrides TRL (pinned: trl==1.16.0). Nothing else touches TRL internals.
+
+TRL's GRPOTrainer with `use_vllm=True, vllm_mode="server"` already does what we
+want from a server: it sends token ids, asks for the sampled tokens' logprobs
+and feeds them to the importance-sampling correction and off-policy masking.
+What differs is the transport and the weight sync, so the override is small:
+
+1. `ServerGeneration` replaces `VLLMGeneration` (looked up as a module global of
+   `trl.trainer.grpo_trainer` when the trainer is built):
+   - `_init_vllm`: no `VLLMClient` (it needs vLLM installed and opens an NCCL
+     group); `vllm_client` becomes a stub that answers `get_server_info()`.
+   - `generate`: calls our checked, optionally prefetching GenerationBackend.
+   - `sync_weights`: a no-op; adapters are published every syncInterval
+     optimizer steps by the session's step-end callback instead of TRL's
+     per-step NCCL weight push.
+2. `ServerGRPOTrainer._get_train_sampler` wraps TRL's RepeatSampler to record
+   the epoch's order, so async prefetch knows which prompts come next.
+
+`surface_problems()` lists what of TRL this module relies on and reports
+anything a TRL upgrade moved; the trainer runs it at start-up and a test runs it
+in CI, so an upgrade fails loudly instead of silently changing behaviour.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, ClassVar
+
+import trl
+import trl.trainer.grpo_trainer as grpo_trainer_module
+from torch.utils.data import Sampler
+from trl import GRPOConfig, GRPOTrainer
+from trl.generation.vllm_generation import VLLMGeneration
+from trl.trainer.utils import RepeatSampler
+
+from grpo_trainer.errors import TrainingFailed, UnsupportedSetting
+from grpo_trainer.generation import GenerationBackend, generation_batches
+
+PINNED_TRL_VERSION = "1.16.0"
+
+
+class _ServerInfo:
+    """Stands in for TRL's VLLMClient: GRPOTrainer.__init__ only reads the server's logprobs mode."""
+
+    def __init__(self, backend: GenerationBackend) -> None:
+        self._backend = backend
+
+    def get_server_info(self) -> dict[str, Any]:
+        try:
+            return self._backend.client.server_info()
+        except Exception as exc:
+            raise TrainingFailed(
+                f"{self._backend.client.base_url}/server_info failed ({type(exc).__name__}: {exc}); the "
+                "importance-sampling correction needs to know the server's logprobs mode"
+            ) from exc
+
+
+class ServerGeneration(VLLMGeneration):
+    """TRL's generation backend, speaking to the run's server over HTTP."""
+
+    backend: ClassVar[GenerationBackend | None] = None
+
+    def _init_vllm(self) -> None:
+        if self.mode != "server":
+            raise UnsupportedSetting(f"ServerGeneration handles vllm_mode 'server', not {self.mode!r}")
+        if self.accelerator.num_processes > 1:
+            raise UnsupportedSetting(
+                "the server-mode trainer runs as one process; launch without accelerate multi-process"
+            )
+        backend = self._backend()
+        sampling: dict[str, Any] = {
+            "repetition_penalty": self.repetition_penalty,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": 0.0 if self.min_p is None else self.min_p,
+            "max_tokens": self.max_completion_length,
+        }
+        if self.structured_outputs_regex is not None:
+            sampling["structured_outputs"] = {"regex": self.structured_outputs_regex}
+        sampling.update(self.generation_kwargs)  # TRL merges these at the top level, overriding the above
+        backend.sampling = sampling
+        self.vllm_client = _ServerInfo(backend)  # type: ignore[assignment]
+
+    def _backend(self) -> GenerationBackend:
+        if self.backend is None:
+            raise RuntimeError("ServerGeneration used outside server_generation_installed()")
+        return self.backend
+
+    def sync_weights(self) -> None:
+        """No-op: the session publishes the LoRA adapter every syncInterval optimizer steps."""
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        images: list[list[Any] | None] | None,
+        num_generations: int,
+        profiler: Any = None,
+    ) -> tuple[list[list[int]], list[list[int]], list[list[list[float | None]]], None]:
+        if images is not None and any(img is not None for img in images):
+            raise UnsupportedSetting("image prompts are not supported by the server-mode trainer")
+        backend = self._backend()
+        if num_generations != backend.num_generations:
+            raise RuntimeError(f"TRL asked for {num_generations} generations, backend set up for "
+                               f"{backend.num_generations}")
+        unique = [list(p) for p in prompts[::num_generations]]
+        result = backend.generate(unique)
+        prompt_ids = [ids for ids in unique for _ in range(num_generations)]
+        # TRL's shape: [sequence][position][top-k]; with logprobs=0 only the sampled token's logprob.
+        logprobs = [[[lp] for lp in seq] for seq in result.logprobs]
+        return prompt_ids, result.completion_ids, logprobs, None
+
+
+@contextmanager
+def server_generation_installed(backend: GenerationBackend) -> Iterator[None]:
+    """While building the trainer, make GRPOTrainer construct ServerGeneration bound to backend."""
+    bound: type[VLLMGeneration] = type("BoundServerGeneration", (ServerGeneration,), {"backend": backend})
+    original = grpo_trainer_module.VLLMGeneration
+    grpo_trainer_module.VLLMGeneration = bound  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        grpo_trainer_module.VLLMGeneration = original  # type: ignore[misc]
+
+
+class ScheduleRecordingSampler(Sampler[int]):
+    """Yields exactly what TRL's RepeatSampler yields, telling a listener the epoch's generation batches."""
+
+    def __init__(self, inner: RepeatSampler, listener: Callable[[list[list[int]]], None]) -> None:
+        self.inner = inner
+        self.listener = listener
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(iter(self.inner))
+        self.listener(
+            generation_batches(indices, self.inner.batch_size, self.inner.mini_repeat_count, self.inner.repeat_count)
+        )
+        return iter(indices)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+class ServerGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer whose train sampler can report its schedule (for async prefetch)."""
+
+    schedule_listener: Callable[[list[list[int]]], None] | None = None
+
+    def _get_train_sampler(self, dataset: Any = None) -> Sampler[int]:
+        sampler = super()._get_train_sampler(dataset)
+        if self.schedule_listener is None:
+            return sampler
+        if not isinstance(sampler, RepeatSampler):
+            raise TrainingFailed(f"TRL's train sampler is a {type(sampler).__name__}, expected RepeatSampler")
+        return ScheduleRecordingSampler(sampler, self.schedule_listener)
+
+    def prompt_token_ids(self, prompts: list[Any]) -> list[list[int]]:
+        """Token ids of prompts exactly as TRL computes them before generation."""
+        prompt_ids = self._tokenize_prompts(prompts)[0]
+        return [list(ids) for ids in prompt_ids]
+
+
+# ------------------------------------------------------------------------------------- the TRL surface
+
+#: (object, member, parameters it must accept, in order, after self)
+_SIGNATURES: tuple[tuple[type, str, tuple[str, ...]], ...] = (
+    (VLLMGeneration, "_init_vllm", ()),
+    (VLLMGeneration, "sync_weights", ()),
+    (VLLMGeneration, "generate", ("prompts", "images", "num_generations", "profiler")),
+    (GRPOTrainer, "_get_train_sampler", ("dataset",)),
+    (GRPOTrainer, "_tokenize_prompts", ("prompts",)),
+    (RepeatSampler, "__init__", ("data_source", "mini_repeat_count", "batch_size", "repeat_count", "shuffle",
+                                 "seed")),
+)
+
+#: Attributes VLLMGeneration.__init__ must set before calling _init_vllm (ServerGeneration reads them).
+_GENERATION_ATTRIBUTES = (
+    "mode", "accelerator", "repetition_penalty", "temperature", "top_p", "top_k", "min_p",
+    "max_completion_length", "structured_outputs_regex", "generation_kwargs",
+)
+
+#: Source fragments whose presence keeps our assumptions true.
+_SOURCE_FACTS: tuple[tuple[Callable[..., Any], str, str], ...] = (
+    (GRPOTrainer.__init__, "self.vllm_generation = VLLMGeneration(",
+     "GRPOTrainer builds its generation backend from the module global VLLMGeneration"),
+    (GRPOTrainer.__init__, 'vllm_client.get_server_info()["model_config"]["logprobs_mode"]',
+     "GRPOTrainer reads only the logprobs mode from the server info"),
+    (GRPOTrainer._generate_single_turn, "self.vllm_generation.sync_weights()",
+     "TRL calls sync_weights before generating"),
+    (GRPOTrainer._generate_single_turn, "self.vllm_generation.generate(",
+     "TRL generates through VLLMGeneration.generate"),
+    (GRPOTrainer._generate_single_turn, "[[lp[0] for lp in seq] for seq in logprobs]",
+     "TRL keeps the first logprob per position (the sampled token's)"),
+    (GRPOTrainer._generate_and_score_completions, "sampling_per_token_logps",
+     "the sampler's logprobs feed the importance-sampling correction"),
+    (GRPOTrainer.get_train_dataloader, "sampler_fn=self._get_train_sampler",
+     "the train dataloader takes its sampler from _get_train_sampler"),
+    (VLLMGeneration.__init__, "self._init_vllm()", "VLLMGeneration.__init__ ends by calling _init_vllm"),
+    (RepeatSampler.__iter__, "for _ in range(self.repeat_count)", "RepeatSampler's stream layout"),
+)
+
+
+def surface_problems() -> list[str]:
+    """What of TRL's surface this module relies on has moved; empty when all is as pinned."""
+    problems = []
+    if trl.__version__ != PINNED_TRL_VERSION:
+        problems.append(f"trl is {trl.__version__}, this override was written for {PINNED_TRL_VERSION}")
+    if getattr(grpo_trainer_module, "VLLMGeneration", None) not in (VLLMGeneration,) and not (
+        isinstance(grpo_trainer_module.VLLMGeneration, type)
+        and issubclass(grpo_trainer_module.VLLMGeneration, ServerGeneration)
+    ):
+        problems.append("trl.trainer.grpo_trainer no longer imports VLLMGeneration as a module global")
+    for owner, name, params in _SIGNATURES:
+        member = getattr(owner, name, None)
+        if member is None:
+            problems.append(f"{owner.__name__}.{name} no longer exists")
+            continue
+        actual = [p for p in inspect.signature(member).parameters if p != "self"]
+        if actual[: len(params)] != list(params):
+            problems.append(f"{owner.__name__}.{name} parameters are {actual}, expected to start with {list(params)}")
+    init_source = inspect.getsource(VLLMGeneration.__init__)
+    for attr in _GENERATION_ATTRIBUTES:
+        if f"self.{attr} = " not in init_source:
+            problems.append(f"VLLMGeneration.__init__ no longer sets self.{attr}")
+    for func, fragment, meaning in _SOURCE_FACTS:
+        if fragment not in inspect.getsource(func):
+            problems.append(f"{func.__qualname__} changed: expected {fragment!r} ({meaning})")
+    for attr in ("batch_size", "mini_repeat_count", "repeat_count"):
+        if f"self.{attr} = " not in inspect.getsource(RepeatSampler.__init__):
+            problems.append(f"RepeatSampler no longer keeps self.{attr}")
+    config_fields = set(GRPOConfig.__dataclass_fields__)
+    for required in ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+                     "off_policy_mask_threshold", "importance_sampling_level", "loss_type", "vllm_mode"):
+        if required not in config_fields:
+            problems.append(f"GRPOConfig has no field {required}")
+    return problems
+
+
+def check_surface() -> None:
+    """Fail the run at start-up if TRL moved under the override."""
+    problems = surface_problems()
+    if problems:
+        raise TrainingFailed("the installed TRL does not match grpo_trainer.trl_overrides:\n  " + "\n  ".join(problems))

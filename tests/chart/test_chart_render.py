@@ -1,0 +1,335 @@
+"""charts/grpo-operator rendered by the real helm: lint, schema, and what each object must say.
+
+The objects are also sent to a real kube-apiserver in test_chart_apiserver.py; here we check the
+choices the apiserver cannot judge (watch mode, RBAC scope, selectors matching the operator's pods).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from typing import Any
+
+import pytest
+import yaml
+
+from grpo_api.models import GRPORun
+from grpo_operator import builders
+from grpo_operator.rbac import render_rbac
+
+from . import sync
+from .conftest import CHART, RELEASE, RELEASE_NAMESPACE, REPO, Chart, find, one
+
+FULLNAME = f"{RELEASE}-grpo-operator"
+VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+
+#: Non-default values the chart must render, lint and (test_chart_apiserver.py) apply.
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "namespaced-two-namespaces": {"watch": {"mode": "namespaced", "namespaces": ["team-a", "team-b"]}},
+    "cluster-wide": {"watch": {"mode": "cluster"}, "networkPolicy": {"namespaces": ["team-a"]}},
+    "monitoring-on": {
+        "metrics": {"operator": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus"}}},
+                    "servers": {"podMonitor": {"enabled": True}},
+                    "trainers": {"podMonitor": {"enabled": True}}},
+        "prometheusRule": {"enabled": True, "labels": {"release": "kube-prometheus"}},
+        "grafanaDashboards": {"enabled": True},
+    },
+    "monitoring-on-cluster-wide": {
+        "watch": {"mode": "cluster"},
+        "metrics": {"operator": {"serviceMonitor": {"enabled": True}},
+                    "servers": {"podMonitor": {"enabled": True}},
+                    "trainers": {"podMonitor": {"enabled": True}}},
+        "prometheusRule": {"enabled": True},
+        "grafanaDashboards": {"enabled": True, "namespace": "monitoring"},
+    },
+    "everything-off": {
+        "crds": {"install": False}, "rbac": {"create": False},
+        "serviceAccount": {"create": False, "name": "existing-operator"},
+        "metrics": {"service": {"enabled": False}}, "networkPolicy": {"enabled": False},
+    },
+}
+
+MONITORING_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+
+
+def sample_run(namespace: str = "team-a") -> GRPORun:
+    return GRPORun.model_validate({
+        "apiVersion": "grpo.dev/v1alpha1", "kind": "GRPORun",
+        "metadata": {"name": "demo", "namespace": namespace, "uid": "0b5e5a1e-0000-4000-8000-000000000001"},
+        "spec": {"model": {"name": "/models/tiny"}, "dataset": {"path": "/data/prompts.jsonl"},
+                 "rewards": [{"function": "exact_match"}]},
+    })
+
+
+def pod_template(obj: dict[str, Any]) -> dict[str, Any]:
+    template: dict[str, Any] = obj["spec"]["template"]
+    return template
+
+
+def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(key) == value for key, value in selector.items())
+
+
+# ---------------------------------------------------------------------------------------- lint, schema
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_helm_lint_strict_passes(chart: Chart, scenario: str) -> None:
+    result = chart.lint(SCENARIOS[scenario])
+    assert result.returncode == 0, f"helm lint --strict ({scenario}):\n{result.stdout}{result.stderr}"
+
+
+@pytest.mark.parametrize(("values", "field"), [
+    ({"watch": {"mode": "everywhere"}}, "watch.mode"),
+    ({"operator": {"metricsPort": 70000}}, "operator.metricsPort"),
+    ({"crds": {"instal": True}}, "instal"),
+    ({"image": {"pullPolicy": "Sometimes"}}, "image.pullPolicy"),
+    ({"watch": {"namespaces": ["Not_A_Namespace"]}}, "watch.namespaces"),
+    ({"prometheusRule": {"for": {"serverNotReady": "fifteen minutes"}}}, "prometheusRule.for.serverNotReady"),
+])
+def test_schema_refuses_bad_values_naming_the_field(chart: Chart, values: dict[str, Any], field: str) -> None:
+    result = chart.helm("template", RELEASE, str(CHART), values=values)
+    assert result.returncode != 0, f"helm template accepted {values}"
+    assert "values don't meet the specifications of the schema" in result.stderr, result.stderr
+    assert field.split(".")[-1] in result.stderr, f"the error does not name {field}:\n{result.stderr}"
+
+
+def test_service_account_name_is_required_when_not_created(chart: Chart) -> None:
+    result = chart.helm("template", RELEASE, str(CHART), values={"serviceAccount": {"create": False}})
+    assert result.returncode != 0
+    assert "serviceAccount.name is required" in result.stderr
+
+
+# ------------------------------------------------------------------------------------------ deployment
+
+
+def test_operator_deployment_is_one_recreated_hardened_pod(chart: Chart) -> None:
+    docs = chart.render()
+    deployment = one(docs, "Deployment", FULLNAME)
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    pod = pod_template(deployment)["spec"]
+    (container,) = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert container["livenessProbe"]["httpGet"]["port"] == "liveness"
+    assert f"--liveness-port={ports['liveness']}" in container["args"]
+    assert f"--metrics-port={ports['metrics']}" in container["args"]
+    assert pod["serviceAccountName"] == one(docs, "ServiceAccount")["metadata"]["name"]
+
+
+def test_operator_image_defaults_to_the_package_version(chart: Chart) -> None:
+    chart_yaml = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart_yaml["appVersion"] == VERSION == chart_yaml["version"]
+    (container,) = pod_template(one(chart.render(), "Deployment"))["spec"]["containers"]
+    assert container["image"] == f"ghcr.io/grpo-dev/grpo-operator:{VERSION}"
+    # The same registry as the run images the GRPORun defaults name.
+    assert sample_run().spec.effective_server.image.rsplit("/", 1)[0] == "ghcr.io/grpo-dev"
+
+
+def test_operator_runs_as_the_image_user(chart: Chart) -> None:
+    user = [line for line in (REPO / "Dockerfile.operator").read_text().splitlines() if line.startswith("USER")]
+    uid, gid = user[-1].split()[1].split(":")
+    pod = pod_template(one(chart.render(), "Deployment"))["spec"]
+    assert (str(pod["securityContext"]["runAsUser"]), str(pod["securityContext"]["runAsGroup"])) == (uid, gid)
+
+
+def test_namespaced_mode_watches_the_release_namespace_by_default(chart: Chart) -> None:
+    (container,) = pod_template(one(chart.render(), "Deployment"))["spec"]["containers"]
+    assert f"--namespace={RELEASE_NAMESPACE}" in container["args"]
+    assert "--all-namespaces" not in container["args"]
+
+
+def test_namespaced_mode_watches_the_listed_namespaces(chart: Chart) -> None:
+    docs = chart.render(SCENARIOS["namespaced-two-namespaces"])
+    (container,) = pod_template(one(docs, "Deployment"))["spec"]["containers"]
+    assert [a for a in container["args"] if a.startswith("--namespace")] == ["--namespace=team-a",
+                                                                                "--namespace=team-b"]
+
+
+def test_cluster_mode_watches_all_namespaces(chart: Chart) -> None:
+    (container,) = pod_template(one(chart.render({"watch": {"mode": "cluster"}}), "Deployment"))["spec"]["containers"]
+    assert "--all-namespaces" in container["args"]
+    assert not [a for a in container["args"] if a.startswith("--namespace")]
+
+
+# ----------------------------------------------------------------------------------------------- CRD
+
+
+def crd_file() -> dict[str, Any]:
+    crd: dict[str, Any] = yaml.safe_load((REPO / "crds" / "grpo.dev_grporuns.yaml").read_text())
+    return crd
+
+
+def test_chart_crd_copy_is_identical_to_the_generated_crd() -> None:
+    copy = CHART / "files" / "crds" / "grpo.dev_grporuns.yaml"
+    assert copy.read_bytes() == sync.CRD_SOURCE.read_bytes(), (
+        "charts/grpo-operator/files/crds/ is stale: run `.venv/bin/python -m tests.chart.sync`"
+    )
+
+
+def test_rendered_crd_is_the_generated_crd_kept_on_uninstall(chart: Chart) -> None:
+    rendered = one(chart.render(), "CustomResourceDefinition")
+    expected = crd_file()
+    assert rendered["spec"] == expected["spec"]
+    assert rendered["metadata"]["name"] == expected["metadata"]["name"]
+    assert rendered["metadata"]["labels"].items() >= expected["metadata"]["labels"].items()
+    assert rendered["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+
+def test_crd_is_not_rendered_when_install_is_off(chart: Chart) -> None:
+    assert not find(chart.render({"crds": {"install": False}}), "CustomResourceDefinition")
+
+
+def test_crd_keep_annotation_can_be_turned_off(chart: Chart) -> None:
+    rendered = one(chart.render({"crds": {"keep": False}}), "CustomResourceDefinition")
+    assert "helm.sh/resource-policy" not in (rendered["metadata"].get("annotations") or {})
+
+
+# ---------------------------------------------------------------------------------------------- RBAC
+
+
+RBAC_KINDS = {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+
+
+def rbac_essence(obj: dict[str, Any]) -> dict[str, Any]:
+    """What grants permissions: kind, name, namespace, rules, roleRef, subjects (not labels)."""
+    keep = {"kind": obj["kind"], "name": obj["metadata"]["name"], "namespace": obj["metadata"].get("namespace")}
+    return {**keep, **{k: obj[k] for k in ("rules", "roleRef", "subjects") if k in obj}}
+
+
+def test_chart_generated_files_are_up_to_date() -> None:
+    stale = [str(p.relative_to(REPO)) for p in sync.stale_files()]
+    assert not stale, f"{stale} are stale: run `.venv/bin/python -m tests.chart.sync`"
+
+
+@pytest.mark.parametrize("scenario", ["defaults", "namespaced-two-namespaces", "cluster-wide"])
+def test_rendered_rbac_is_exactly_what_rbac_py_renders(chart: Chart, scenario: str) -> None:
+    values = SCENARIOS[scenario]
+    watch = values.get("watch", {})
+    namespaces = None if watch.get("mode") == "cluster" else (watch.get("namespaces") or [RELEASE_NAMESPACE])
+    expected = render_rbac(FULLNAME, FULLNAME, RELEASE_NAMESPACE, namespaces)
+    rendered = [d for d in chart.render(values) if d["kind"] in RBAC_KINDS]
+
+    def key(essence: dict[str, Any]) -> tuple[str, str, str]:
+        return essence["kind"], essence["namespace"] or "", essence["name"]
+
+    assert sorted(map(rbac_essence, rendered), key=key) == sorted(map(rbac_essence, expected), key=key)
+
+
+def test_namespaced_mode_grants_namespaced_rules_only_in_watched_namespaces(chart: Chart) -> None:
+    docs = chart.render(SCENARIOS["namespaced-two-namespaces"])
+    roles = find(docs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    bindings = find(docs, "RoleBinding")
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    for binding in bindings:
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": FULLNAME}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": FULLNAME, "namespace": RELEASE_NAMESPACE}]
+    namespaced_resources = {res for role in roles for rule in role["rules"] for res in rule["resources"]}
+    for cluster_role in find(docs, "ClusterRole"):
+        granted = {res for rule in cluster_role["rules"] for res in rule["resources"]}
+        assert not granted & namespaced_resources, f"ClusterRole grants {granted & namespaced_resources}"
+
+
+def test_cluster_mode_uses_one_cluster_role_and_no_roles(chart: Chart) -> None:
+    docs = chart.render({"watch": {"mode": "cluster"}})
+    assert not find(docs, "Role") and not find(docs, "RoleBinding")
+    binding = one(docs, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == one(docs, "ClusterRole")["metadata"]["name"]
+    assert binding["subjects"][0]["namespace"] == RELEASE_NAMESPACE
+
+
+def test_no_rbac_objects_when_rbac_create_is_off(chart: Chart) -> None:
+    docs = chart.render(SCENARIOS["everything-off"])
+    for kind in ("Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding", "ServiceAccount"):
+        assert not find(docs, kind), kind
+    assert pod_template(one(docs, "Deployment"))["spec"]["serviceAccountName"] == "existing-operator"
+
+
+# ------------------------------------------------------------------------------------------ monitoring
+
+
+def test_monitoring_objects_are_off_by_default(chart: Chart) -> None:
+    docs = chart.render()
+    assert not [d for d in docs if d["kind"] in MONITORING_KINDS]
+    assert not [d for d in find(docs, "ConfigMap") if "grafana_dashboard" in d["metadata"].get("labels", {})]
+
+
+def test_operator_service_monitor_scrapes_the_metrics_port(chart: Chart) -> None:
+    docs = chart.render(SCENARIOS["monitoring-on"])
+    monitor = one(docs, "ServiceMonitor")
+    service = one(docs, "Service", f"{FULLNAME}-metrics")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus"
+    assert matches(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
+    assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
+    deployment = one(docs, "Deployment")
+    assert matches(service["spec"]["selector"], pod_template(deployment)["metadata"]["labels"])
+
+
+@pytest.mark.parametrize("component", ["servers", "trainers"])
+def test_pod_monitors_select_the_pods_the_operator_builds(chart: Chart, component: str) -> None:
+    run = sample_run()
+    if component == "servers":
+        pod = pod_template(builders.build_server_deployment(run, attempt=1, replicas=1))
+    else:
+        pod = pod_template(builders.build_trainer_job(run, attempt=1))
+    port_names = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+    monitor = one(chart.render(SCENARIOS["monitoring-on"]), "PodMonitor", f"{FULLNAME}-{component}")
+    assert matches(monitor["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"])
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] in port_names
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [RELEASE_NAMESPACE]}
+    # The run label the relabeling copies into `grporun` is the one the builders set.
+    relabel = monitor["spec"]["podMetricsEndpoints"][0]["relabelings"][1]
+    label = relabel["sourceLabels"][0].removeprefix("__meta_kubernetes_pod_label_")
+    sanitized = {k.replace(".", "_").replace("/", "_").replace("-", "_"): v for k, v in pod["metadata"]["labels"].items()}
+    assert sanitized[label] == run.metadata.name
+
+
+def test_pod_monitors_look_in_every_namespace_in_cluster_mode(chart: Chart) -> None:
+    for monitor in find(chart.render(SCENARIOS["monitoring-on-cluster-wide"]), "PodMonitor"):
+        assert monitor["spec"]["namespaceSelector"] == {"any": True}
+
+
+def test_dashboards_are_config_maps_for_the_grafana_sidecar(chart: Chart) -> None:
+    docs = chart.render(SCENARIOS["monitoring-on-cluster-wide"])
+    maps = [d for d in find(docs, "ConfigMap") if d["metadata"]["labels"].get("grafana_dashboard") == "1"]
+    files = sorted(p.stem for p in (CHART / "dashboards").glob("*.json"))
+    assert len(files) >= 3
+    assert sorted(key.removesuffix(".json") for m in maps for key in m["data"]) == files
+    assert {m["metadata"]["namespace"] for m in maps} == {"monitoring"}
+
+
+# -------------------------------------------------------------------------------------- network policy
+
+
+def test_network_policy_admits_only_trainers_operator_and_scrapers_to_servers(chart: Chart) -> None:
+    run = sample_run(RELEASE_NAMESPACE)
+    server_pod = pod_template(builders.build_server_deployment(run, attempt=1, replicas=1))
+    trainer_pod = pod_template(builders.build_trainer_job(run, attempt=1))
+    docs = chart.render()
+    operator_pod = pod_template(one(docs, "Deployment"))
+    policy = one(docs, "NetworkPolicy")
+    assert policy["metadata"]["namespace"] == RELEASE_NAMESPACE
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert matches(policy["spec"]["podSelector"]["matchLabels"], server_pod["metadata"]["labels"])
+    assert not matches(policy["spec"]["podSelector"]["matchLabels"], trainer_pod["metadata"]["labels"])
+    (rule,) = policy["spec"]["ingress"]
+    peers = rule["from"]
+    assert matches(peers[0]["podSelector"]["matchLabels"], trainer_pod["metadata"]["labels"])
+    assert not matches(peers[0]["podSelector"]["matchLabels"], server_pod["metadata"]["labels"])
+    assert peers[1]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": RELEASE_NAMESPACE}}
+    assert matches(peers[1]["podSelector"]["matchLabels"], operator_pod["metadata"]["labels"])
+    assert peers[2:] == yaml.safe_load((CHART / "values.yaml").read_text())["networkPolicy"]["scrapers"]
+
+
+def test_network_policy_goes_to_every_watched_namespace(chart: Chart) -> None:
+    docs = chart.render(SCENARIOS["namespaced-two-namespaces"])
+    assert sorted(p["metadata"]["namespace"] for p in find(docs, "NetworkPolicy")) == ["team-a", "team-b"]
+    docs = chart.render(SCENARIOS["cluster-wide"])
+    assert [p["metadata"]["namespace"] for p in find(docs, "NetworkPolicy")] == ["team-a"]

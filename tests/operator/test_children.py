@@ -1,0 +1,92 @@
+"""A GRPORun's children, as the operator creates them in a real API server, and the health gate."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.fixtures.controlplane import wait_for
+from tests.operator.conftest import Kube, OperatorProcess
+
+pytestmark = pytest.mark.controlplane
+
+UNREACHABLE = "http://127.0.0.1:9"  # discard port: nothing answers
+
+
+def test_new_run_gets_every_child_with_expected_fields_and_no_job_while_server_unhealthy(
+    operator: OperatorProcess, kube: Kube
+) -> None:
+    run = kube.create_run(
+        "r1",
+        server_url=UNREACHABLE,
+        server={"resources": {"limits": {"nvidia.com/gpu": 1, "memory": "2Gi"}}, "shmSize": "2Gi",
+                "healthPath": "/health/"},
+        storage={"size": "3Gi", "modelCache": {"existingClaim": "hf", "mountPath": "/cache"}},
+        scheduling={"nodeSelector": {"gpu": "yes"}},
+    )
+    uid = run["metadata"]["uid"]
+    status = kube.wait_phase("r1", "StartingServer", reason="ServerStarting")
+    assert status["attempt"] == 1
+
+    deployment = wait_for(lambda: kube.deployment("r1-server"), what="server Deployment")
+    spec = deployment.spec
+    assert spec.strategy.type == "Recreate" and spec.replicas == 1
+    assert spec.template.metadata.annotations["grpo.dev/attempt"] == "1"
+    pod = spec.template.spec
+    server = pod.containers[0]
+    assert server.resources.limits == {"nvidia.com/gpu": "1", "memory": "2Gi"}
+    for probe in (server.startup_probe, server.readiness_probe, server.liveness_probe):
+        assert probe.http_get.path == "/health/"
+    volumes = {v.name: v for v in pod.volumes}
+    assert volumes["dshm"].empty_dir.medium == "Memory" and volumes["dshm"].empty_dir.size_limit == "2Gi"
+    assert volumes["token"].secret.secret_name == "r1-token"
+    assert volumes["data"].persistent_volume_claim.claim_name == "r1-data"
+    assert volumes["model-cache"].persistent_volume_claim.claim_name == "hf"
+    env = {e.name: e.value for e in server.env}
+    assert env["GRPO_RUN_CONFIG"] == "/etc/grpo/run-config.yaml" and env["GRPO_TOKEN_FILE"].endswith("/token")
+    assert env["GRPO_ATTEMPT"] == "1"
+    assert {m.mount_path for m in server.volume_mounts} >= {"/dev/shm", "/data", "/cache", "/etc/grpo"}
+    assert pod.node_selector == {"gpu": "yes"} and pod.security_context.run_as_non_root is True
+
+    owned = [
+        deployment,
+        kube.core.read_namespaced_service("r1-server", kube.namespace),
+        kube.core.read_namespaced_config_map("r1-config", kube.namespace),
+        kube.core.read_namespaced_secret("r1-token", kube.namespace),
+        kube.core.read_namespaced_persistent_volume_claim("r1-data", kube.namespace),
+    ]
+    for obj in owned:
+        refs = obj.metadata.owner_references
+        assert [(r.kind, r.uid, r.controller) for r in refs] == [("GRPORun", uid, True)], obj.kind
+        assert obj.metadata.labels["grpo.dev/run"] == "r1"
+    assert "run-config.yaml" in owned[2].data
+    assert owned[4].spec.resources.requests["storage"] == "3Gi"
+
+    # The server never answers: several reconciles later there is still no trainer Job.
+    time.sleep(4)
+    assert kube.jobs("r1") == []
+    status = kube.status("r1")
+    assert status["phase"] == "StartingServer" and "unreachable" in status["message"]
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["ServerReady"]["status"] == "False"
+    assert ("Normal", "Created") in kube.events("r1")
+    assert operator.forbidden_lines() == []
+
+
+def test_colocate_run_gets_only_the_trainer_job(operator: OperatorProcess, kube: Kube) -> None:
+    kube.create_run("co", mode="colocate", server=None)
+    kube.wait_phase("co", "Training")
+    jobs = wait_for(lambda: kube.jobs("co"), what="trainer Job")
+    assert [j.metadata.name for j in jobs] == ["co-trainer-1"]
+    assert jobs[0].spec.backoff_limit == 0
+    assert kube.deployment("co-server") is None
+    services = kube.core.list_namespaced_service(kube.namespace, label_selector="grpo.dev/run=co").items
+    assert services == []
+
+
+def test_run_name_that_cannot_name_children_fails_with_invalid_spec(operator: OperatorProcess, kube: Kube) -> None:
+    kube.create_run("9-starts-with-a-digit", server_url=UNREACHABLE)
+    status = kube.wait_phase("9-starts-with-a-digit", "Failed", reason="InvalidSpec")
+    assert "metadata.name" in status["message"]
+    assert kube.deployment("9-starts-with-a-digit-server") is None

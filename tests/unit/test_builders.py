@@ -1,0 +1,257 @@
+"""Pure manifest builders of the operator: every child of a GRPORun, checked field by field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+from grpo_api.models import GRPORun
+from grpo_api.runconfig import RunConfig
+from grpo_operator import builders as b
+
+
+def make_run(name: str = "r1", mode: str = "server", **spec: Any) -> GRPORun:
+    body: dict[str, Any] = {
+        "metadata": {"name": name, "namespace": "team", "uid": "uid-1", "generation": 1},
+        "spec": {
+            "model": {"name": "tiny", "path": "/models/tiny"},
+            "dataset": {"path": "/data/prompts.jsonl"},
+            "rewards": [{"function": "token_fraction"}],
+            "mode": mode,
+            **spec,
+        },
+    }
+    return GRPORun.model_validate(body)
+
+
+def container(obj: dict[str, Any]) -> dict[str, Any]:
+    containers = obj["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    result: dict[str, Any] = containers[0]
+    return result
+
+
+def env_of(obj: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container(obj)["env"]}
+
+
+def mounts_of(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {m["name"]: m for m in container(obj)["volumeMounts"]}
+
+
+def volumes_of(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {v["name"]: v for v in obj["spec"]["template"]["spec"]["volumes"]}
+
+
+def all_children(run: GRPORun) -> list[dict[str, Any]]:
+    children = [
+        b.build_config_map(run),
+        b.build_token_secret(run, "t0ken"),
+        b.build_service(run),
+        b.build_server_deployment(run, 1, 1),
+        b.build_trainer_job(run, 1),
+    ]
+    claim = b.build_volume_claim(run)
+    if claim is not None:
+        children.append(claim)
+    return children
+
+
+def test_every_child_is_owned_by_the_run_and_labelled_with_it() -> None:
+    run = make_run()
+    for child in all_children(run):
+        meta = child["metadata"]
+        assert meta["namespace"] == "team"
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "grpo.dev/v1alpha1",
+                "kind": "GRPORun",
+                "name": "r1",
+                "uid": "uid-1",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ], child["kind"]
+        assert meta["labels"][b.RUN_LABEL] == "r1"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "grpo-operator"
+
+
+def test_child_names_are_deterministic() -> None:
+    run = make_run("alpha")
+    names = b.child_names(run)
+    assert [names.config, names.data, names.token, names.server, names.trainer(3)] == [
+        "alpha-config",
+        "alpha-data",
+        "alpha-token",
+        "alpha-server",
+        "alpha-trainer-3",
+    ]
+    assert b.build_server_deployment(run, 2, 1)["metadata"]["name"] == "alpha-server"
+    assert b.build_trainer_job(run, 3)["metadata"]["name"] == "alpha-trainer-3"
+
+
+def test_config_map_holds_the_run_config_rendered_from_the_spec() -> None:
+    run = make_run(trainer={"maxSteps": 7, "lora": {"r": 8}})
+    data = b.build_config_map(run)["data"]
+    config = RunConfig.model_validate(yaml.safe_load(data["run-config.yaml"]))
+    assert config.spec.trainer.max_steps == 7
+    assert config.run.name == "r1" and config.run.namespace == "team" and config.run.uid == "uid-1"
+    assert config.server_url == "http://r1-server.team.svc:8000"
+    assert config.token_file == b.TOKEN_PATH
+    assert config.paths.adapter_root == "/data/adapters/r1"
+
+
+def test_token_secret_carries_the_given_token() -> None:
+    secret = b.build_token_secret(make_run(), "s3cret")
+    assert secret["stringData"] == {"token": "s3cret"} and secret["type"] == "Opaque"
+
+
+def test_volume_claim_is_created_from_size_or_the_existing_claim_is_used() -> None:
+    run = make_run(storage={"size": "5Gi", "storageClassName": "fast", "accessModes": ["ReadWriteMany"]})
+    claim = b.build_volume_claim(run)
+    assert claim is not None
+    assert claim["spec"] == {
+        "accessModes": ["ReadWriteMany"],
+        "resources": {"requests": {"storage": "5Gi"}},
+        "storageClassName": "fast",
+    }
+    existing = make_run(storage={"existingClaim": "shared"})
+    assert b.build_volume_claim(existing) is None
+    assert volumes_of(b.build_trainer_job(existing, 1))["data"]["persistentVolumeClaim"] == {
+        "claimName": "shared"
+    }
+    assert volumes_of(b.build_server_deployment(run, 1, 1))["data"]["persistentVolumeClaim"] == {
+        "claimName": "r1-data"
+    }
+
+
+def test_service_selects_the_server_pods_on_the_http_port() -> None:
+    run = make_run(server={"port": 9000})
+    service = b.build_service(run)
+    deployment = b.build_server_deployment(run, 1, 1)
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    for key, value in service["spec"]["selector"].items():
+        assert deployment["spec"]["template"]["metadata"]["labels"][key] == value
+    assert service["spec"]["ports"] == [
+        {"name": "http", "port": 9000, "targetPort": "http", "protocol": "TCP"}
+    ]
+
+
+def test_server_deployment_is_one_recreated_gpu_pod_with_shm_probes_and_mounts() -> None:
+    run = make_run(
+        server={
+            "resources": {"limits": {"nvidia.com/gpu": 2, "memory": "80Gi"}, "requests": {"cpu": "8"}},
+            "shmSize": "16Gi",
+            "healthPath": "/health/",
+            "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}],
+        },
+        storage={"size": "1Gi", "modelCache": {"existingClaim": "hf-cache", "mountPath": "/cache"}},
+        runPolicy={"serverReadyTimeoutSeconds": 300},
+    )
+    deployment = b.build_server_deployment(run, 3, 1)
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+    assert spec["template"]["metadata"]["annotations"] == {b.ATTEMPT_ANNOTATION: "3"}
+    server = container(deployment)
+    assert server["resources"] == {
+        "limits": {"nvidia.com/gpu": "2", "memory": "80Gi"},
+        "requests": {"cpu": "8"},
+    }
+    assert server["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert server[probe]["httpGet"] == {"path": "/health/", "port": "http"}, probe
+    startup = server["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
+    volumes = volumes_of(deployment)
+    assert volumes["dshm"] == {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}
+    assert volumes["token"]["secret"]["secretName"] == "r1-token"
+    assert volumes["run-config"]["configMap"]["name"] == "r1-config"
+    assert volumes["model-cache"]["persistentVolumeClaim"] == {"claimName": "hf-cache", "readOnly": True}
+    mounts = mounts_of(deployment)
+    assert mounts["dshm"]["mountPath"] == "/dev/shm"
+    assert mounts["token"] == {"name": "token", "mountPath": b.TOKEN_DIR, "readOnly": True}
+    assert mounts["data"]["mountPath"] == "/data"
+    assert mounts["model-cache"]["mountPath"] == "/cache"
+    env = env_of(deployment)
+    assert env["GRPO_RUN_CONFIG"] == b.RUN_CONFIG_PATH and env["GRPO_TOKEN_FILE"] == b.TOKEN_PATH
+    assert env["GRPO_ATTEMPT"] == "3" and env["HF_HOME"] == "/cache" and env["VLLM_LOGGING_LEVEL"] == "DEBUG"
+
+
+def test_pods_run_as_non_root_without_api_credentials() -> None:
+    run = make_run()
+    for obj in (b.build_server_deployment(run, 1, 1), b.build_trainer_job(run, 1)):
+        pod = obj["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] != 0
+        assert pod["automountServiceAccountToken"] is False
+        sc = container(obj)["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_scheduling_fields_reach_both_pod_templates() -> None:
+    run = make_run(
+        scheduling={
+            "nodeSelector": {"gpu": "h100"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "affinity": {
+                "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}
+            },
+            "priorityClassName": "high",
+            "runtimeClassName": "nvidia",
+            "serviceAccountName": "trainer-sa",
+        }
+    )
+    for obj in (b.build_server_deployment(run, 1, 1), b.build_trainer_job(run, 1)):
+        pod = obj["spec"]["template"]["spec"]
+        assert pod["nodeSelector"] == {"gpu": "h100"}
+        assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        assert "nodeAffinity" in pod["affinity"]
+        assert (pod["priorityClassName"], pod["runtimeClassName"], pod["serviceAccountName"]) == (
+            "high",
+            "nvidia",
+            "trainer-sa",
+        )
+
+
+def test_scaled_down_server_keeps_its_definition() -> None:
+    deployment = b.build_server_deployment(make_run(), 2, 0)
+    assert deployment["spec"]["replicas"] == 0
+    assert deployment["spec"]["template"]["metadata"]["annotations"][b.ATTEMPT_ANNOTATION] == "2"
+
+
+def test_trainer_job_never_retries_itself_and_knows_its_attempt() -> None:
+    run = make_run(trainer={"env": [{"name": "WANDB_MODE", "value": "offline"}], "metricsPort": 9500})
+    job = b.build_trainer_job(run, 4)
+    assert job["spec"]["backoffLimit"] == 0
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+    assert job["metadata"]["labels"][b.ATTEMPT_LABEL] == "4"
+    env = env_of(job)
+    assert env["GRPO_ATTEMPT"] == "4" and env["GRPO_RUN_CONFIG"] == b.RUN_CONFIG_PATH
+    assert env["GRPO_SERVER_URL"] == "http://r1-server.team.svc:8000" and env["WANDB_MODE"] == "offline"
+    assert env["GRPO_TOKEN_FILE"] == b.TOKEN_PATH
+    assert container(job)["command"] == ["grpo", "train"]
+    assert container(job)["ports"][0]["containerPort"] == 9500
+    assert set(mounts_of(job)) == {"run-config", "data", "dshm", "token"}
+
+
+def test_colocate_trainer_has_no_server_address_or_token() -> None:
+    run = make_run(mode="colocate")
+    job = b.build_trainer_job(run, 1)
+    env = env_of(job)
+    assert "GRPO_SERVER_URL" not in env and "GRPO_TOKEN_FILE" not in env
+    assert "token" not in volumes_of(job)
+    assert volumes_of(job)["dshm"]["emptyDir"]["medium"] == "Memory"
+    config = RunConfig.model_validate(yaml.safe_load(b.build_config_map(run)["data"]["run-config.yaml"]))
+    assert config.server_url == "" and config.token_file is None
+
+
+@pytest.mark.parametrize("name", ["9lives", "a" * 49, "has.dot"])
+def test_run_names_that_cannot_prefix_children_are_refused_naming_the_field(name: str) -> None:
+    with pytest.raises(b.InvalidRunError, match=r"metadata\.name"):
+        b.check_run(make_run(name))
+
+
+def test_valid_run_name_passes_the_check() -> None:
+    b.check_run(make_run("a" * 48))

@@ -1,0 +1,674 @@
+"""The shared run lifecycle (grpo_api.lifecycle.decide): table-driven checks of every transition."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from grpo_api.lifecycle import (
+    CreateTrainer,
+    Decision,
+    DeleteRun,
+    DeleteServer,
+    DeleteTrainer,
+    Emit,
+    EnsureServer,
+    HealthCheck,
+    Observation,
+    Provision,
+    RequeueAfter,
+    StopServer,
+    TrainerState,
+    decide,
+    get_condition,
+    set_condition,
+    wants_health,
+)
+from grpo_api.models import GRPORunSpec, GRPORunStatus, Phase, Reason
+from grpo_api.protocol import ActiveAdapter, HealthResponse, TrainingProgress
+
+T0 = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
+
+
+def at(seconds: float) -> dt.datetime:
+    return T0 + dt.timedelta(seconds=seconds)
+
+
+def make_spec(mode: str = "server", **policy: Any) -> GRPORunSpec:
+    data: dict[str, Any] = {
+        "model": {"name": "tiny"},
+        "dataset": {"path": "/data/prompts.jsonl"},
+        "rewards": [{"function": "token_fraction"}],
+        "mode": mode,
+        "runPolicy": policy,
+    }
+    return GRPORunSpec.model_validate(data)
+
+
+def healthy(
+    boot_id: str = "boot-2",
+    adapter: int | None = None,
+    progress: TrainingProgress | None = None,
+    code: int = 200,
+) -> HealthCheck:
+    active = (
+        ActiveAdapter(
+            name=f"policy-v{adapter}", version=adapter, path=f"/data/adapters/r/v{adapter}", loaded_at=at(1)
+        )
+        if adapter is not None
+        else None
+    )
+    body = HealthResponse(
+        status="ok" if code == 200 else "loading",
+        boot_id=boot_id,
+        model="tiny",
+        model_fingerprint="f",
+        engine="transformers",
+        adapter=active,
+        uptime_seconds=1.0,
+        progress=progress,
+    )
+    return HealthCheck(reachable=True, status_code=code, body=body)
+
+
+UNREACHABLE = HealthCheck(reachable=False, error="connection refused")
+
+
+def status(
+    phase: Phase = Phase.PENDING,
+    attempt: int = 0,
+    boot_id: str | None = None,
+    ready: bool = False,
+    attempt_started: float | None = 0.0,
+    start: float | None = 0.0,
+    completed: float | None = None,
+    reason: str | None = None,
+) -> GRPORunStatus:
+    st = GRPORunStatus(phase=phase, attempt=attempt, reason=reason)
+    st.server.boot_id = boot_id
+    st.server.ready = ready
+    if phase != Phase.PENDING:
+        st.attempt_started_at = at(attempt_started) if attempt_started is not None else None
+        st.start_time = at(start) if start is not None else None
+    if completed is not None:
+        st.completion_time = at(completed)
+    return st
+
+
+def non_meta(decision: Decision) -> list[object]:
+    """The actions other than events and requeues."""
+    return [a for a in decision.actions if not isinstance(a, Emit | RequeueAfter)]
+
+
+def events(decision: Decision) -> list[tuple[str, str]]:
+    return [(e.type, e.reason) for e in decision.of_type(Emit)]
+
+
+@dataclass
+class Case:
+    name: str
+    status: GRPORunStatus
+    obs: Observation
+    spec: GRPORunSpec = field(default_factory=make_spec)
+    failed: tuple[int, ...] = ()
+    phase: Phase = Phase.PENDING
+    reason: str = ""
+    actions: list[object] = field(default_factory=list)
+    attempt: int | None = None
+    failed_after: tuple[int, ...] | None = None
+    events: list[tuple[str, str]] | None = None
+    message_has: str = ""
+
+
+CASES = [
+    Case(
+        "new run provisions and starts attempt 1 with a fresh server",
+        status(),
+        Observation(now=at(0)),
+        phase=Phase.STARTING_SERVER,
+        reason=Reason.CREATED,
+        attempt=1,
+        actions=[Provision(), EnsureServer(1, 1)],
+        events=[("Normal", Reason.CREATED)],
+    ),
+    Case(
+        "new colocate run creates only the trainer",
+        status(),
+        Observation(now=at(0)),
+        spec=make_spec("colocate"),
+        phase=Phase.TRAINING,
+        reason=Reason.CREATED,
+        attempt=1,
+        actions=[Provision(), CreateTrainer(1)],
+    ),
+    Case(
+        "run created suspended starts nothing",
+        status(),
+        Observation(now=at(0)),
+        spec=make_spec(suspend=True),
+        phase=Phase.SUSPENDED,
+        reason=Reason.SUSPENDED,
+        attempt=0,
+        actions=[StopServer()],
+    ),
+    Case(
+        "no trainer while a server of an older attempt is alive, even if health looks fresh",
+        status(Phase.STARTING_SERVER, 2, boot_id="boot-1"),
+        Observation(now=at(5), older_servers_alive=1, health=healthy("boot-2")),
+        phase=Phase.STARTING_SERVER,
+        reason=Reason.WAITING_FOR_OLD_SERVER,
+        actions=[EnsureServer(2, 1)],
+    ),
+    Case(
+        "no trainer while the server is unreachable",
+        status(Phase.STARTING_SERVER, 1),
+        Observation(now=at(5), health=UNREACHABLE),
+        phase=Phase.STARTING_SERVER,
+        reason=Reason.SERVER_STARTING,
+        actions=[EnsureServer(1, 1)],
+        message_has="connection refused",
+    ),
+    Case(
+        "no trainer while health answers 503",
+        status(Phase.STARTING_SERVER, 1),
+        Observation(now=at(5), health=healthy(code=503)),
+        phase=Phase.STARTING_SERVER,
+        reason=Reason.SERVER_STARTING,
+        actions=[EnsureServer(1, 1)],
+        message_has="HTTP 503",
+    ),
+    Case(
+        "no trainer while health shows the boot id of an earlier attempt",
+        status(Phase.STARTING_SERVER, 2, boot_id="boot-1"),
+        Observation(now=at(5), health=healthy("boot-1")),
+        phase=Phase.STARTING_SERVER,
+        reason=Reason.SERVER_STARTING,
+        actions=[EnsureServer(2, 1)],
+        message_has="boot-1",
+    ),
+    Case(
+        "no trainer while the server already has an adapter loaded",
+        status(Phase.STARTING_SERVER, 2, boot_id="boot-1"),
+        Observation(now=at(5), health=healthy("boot-2", adapter=3)),
+        phase=Phase.STARTING_SERVER,
+        reason=Reason.SERVER_STARTING,
+        actions=[EnsureServer(2, 1)],
+        message_has="adapter v3",
+    ),
+    Case(
+        "fresh healthy server without adapter creates the trainer of the attempt",
+        status(Phase.STARTING_SERVER, 2, boot_id="boot-1"),
+        Observation(now=at(5), health=healthy("boot-2"), server_url="http://r-server:8000"),
+        phase=Phase.TRAINING,
+        reason=Reason.TRAINER_RUNNING,
+        actions=[EnsureServer(2, 1), CreateTrainer(2)],
+        events=[("Normal", Reason.TRAINER_RUNNING)],
+    ),
+    Case(
+        "server not ready by the deadline fails the attempt and retries with a new server",
+        status(Phase.STARTING_SERVER, 1, attempt_started=0),
+        Observation(now=at(60), health=UNREACHABLE),
+        spec=make_spec(serverReadyTimeoutSeconds=60, backoffLimit=1),
+        phase=Phase.STARTING_SERVER,
+        reason=Reason.RETRYING,
+        attempt=2,
+        failed_after=(1,),
+        actions=[EnsureServer(1, 1), Provision(), EnsureServer(2, 1)],
+        events=[("Warning", Reason.SERVER_NOT_READY), ("Warning", Reason.RETRYING)],
+    ),
+    Case(
+        "server not ready with no retries left fails the run with ServerNotReady",
+        status(Phase.STARTING_SERVER, 1, attempt_started=0),
+        Observation(now=at(61), health=UNREACHABLE),
+        spec=make_spec(serverReadyTimeoutSeconds=60, backoffLimit=0),
+        phase=Phase.FAILED,
+        reason=Reason.SERVER_NOT_READY,
+        failed_after=(1,),
+        actions=[EnsureServer(1, 1), StopServer()],
+        events=[("Warning", Reason.SERVER_NOT_READY)],
+        message_has="serverReadyTimeoutSeconds (60s)",
+    ),
+    Case(
+        "waiting on an old server still counts toward the server deadline",
+        status(Phase.STARTING_SERVER, 2, attempt_started=0),
+        Observation(now=at(61), older_servers_alive=1),
+        spec=make_spec(serverReadyTimeoutSeconds=60, backoffLimit=0),
+        failed=(1,),
+        phase=Phase.FAILED,
+        reason=Reason.SERVER_NOT_READY,
+        failed_after=(1, 2),
+    ),
+    Case(
+        "failed trainer starts the next attempt with a fresh server first",
+        status(Phase.TRAINING, 1, boot_id="boot-1", ready=True),
+        Observation(now=at(30), health=healthy("boot-1"), trainer=TrainerState.FAILED, trainer_message="OOM"),
+        spec=make_spec(backoffLimit=2),
+        phase=Phase.STARTING_SERVER,
+        reason=Reason.RETRYING,
+        attempt=2,
+        failed_after=(1,),
+        actions=[EnsureServer(1, 1), Provision(), EnsureServer(2, 1)],
+        events=[("Warning", Reason.TRAINER_FAILED), ("Warning", Reason.RETRYING)],
+    ),
+    Case(
+        "failed trainer with the backoff limit used up fails the run",
+        status(Phase.TRAINING, 3, boot_id="boot-3", ready=True),
+        Observation(now=at(30), trainer=TrainerState.FAILED, trainer_message="OOM"),
+        spec=make_spec(backoffLimit=2),
+        failed=(1, 2),
+        phase=Phase.FAILED,
+        reason=Reason.BACKOFF_LIMIT_EXCEEDED,
+        failed_after=(1, 2, 3),
+        actions=[EnsureServer(3, 1), StopServer()],
+        message_has="OOM",
+        events=[("Warning", Reason.TRAINER_FAILED), ("Warning", Reason.BACKOFF_LIMIT_EXCEEDED)],
+    ),
+    Case(
+        "a failure recorded already is not counted twice",
+        status(Phase.TRAINING, 1, boot_id="boot-1", ready=True),
+        Observation(now=at(30), trainer=TrainerState.FAILED),
+        spec=make_spec(backoffLimit=1),
+        failed=(1,),
+        phase=Phase.STARTING_SERVER,
+        reason=Reason.RETRYING,
+        attempt=2,
+        failed_after=(1,),
+    ),
+    Case(
+        "trainer that vanished counts as a failed attempt",
+        status(Phase.TRAINING, 1, boot_id="boot-1", ready=True),
+        Observation(now=at(30), trainer=TrainerState.ABSENT),
+        phase=Phase.STARTING_SERVER,
+        reason=Reason.RETRYING,
+        attempt=2,
+        failed_after=(1,),
+        message_has="attempt 1",
+    ),
+    Case(
+        "succeeded trainer finishes the run and stops the server",
+        status(Phase.TRAINING, 1, boot_id="boot-1", ready=True),
+        Observation(now=at(30), health=healthy("boot-1", adapter=5), trainer=TrainerState.SUCCEEDED),
+        phase=Phase.SUCCEEDED,
+        reason=Reason.COMPLETED,
+        actions=[EnsureServer(1, 1), StopServer()],
+        events=[("Normal", Reason.COMPLETED)],
+    ),
+    Case(
+        "cleanupPolicy DeleteServer deletes the server on success",
+        status(Phase.TRAINING, 1, boot_id="boot-1", ready=True),
+        Observation(now=at(30), trainer=TrainerState.SUCCEEDED),
+        spec=make_spec(cleanupPolicy="DeleteServer"),
+        phase=Phase.SUCCEEDED,
+        reason=Reason.COMPLETED,
+        actions=[EnsureServer(1, 1), DeleteServer()],
+    ),
+    Case(
+        "cleanupPolicy KeepServer leaves the server serving",
+        status(Phase.TRAINING, 1, boot_id="boot-1", ready=True),
+        Observation(now=at(30), trainer=TrainerState.SUCCEEDED),
+        spec=make_spec(cleanupPolicy="KeepServer"),
+        phase=Phase.SUCCEEDED,
+        reason=Reason.COMPLETED,
+        actions=[EnsureServer(1, 1)],
+    ),
+    Case(
+        "active deadline fails the run and stops its trainer",
+        status(Phase.TRAINING, 1, boot_id="boot-1", ready=True, start=0),
+        Observation(now=at(100), trainer=TrainerState.ACTIVE),
+        spec=make_spec(activeDeadlineSeconds=100),
+        phase=Phase.FAILED,
+        reason=Reason.DEADLINE_EXCEEDED,
+        actions=[DeleteTrainer(1), StopServer()],
+        events=[("Warning", Reason.DEADLINE_EXCEEDED)],
+    ),
+    Case(
+        "active deadline also ends a run still waiting for its server",
+        status(Phase.STARTING_SERVER, 1, start=0),
+        Observation(now=at(101)),
+        spec=make_spec(activeDeadlineSeconds=100),
+        phase=Phase.FAILED,
+        reason=Reason.DEADLINE_EXCEEDED,
+        actions=[StopServer()],
+    ),
+    Case(
+        "suspend deletes the trainer and scales the server to zero",
+        status(Phase.TRAINING, 1, boot_id="boot-1", ready=True),
+        Observation(now=at(30), trainer=TrainerState.ACTIVE),
+        spec=make_spec(suspend=True),
+        phase=Phase.SUSPENDED,
+        reason=Reason.SUSPENDED,
+        attempt=1,
+        actions=[DeleteTrainer(1), StopServer()],
+        events=[("Normal", Reason.SUSPENDED)],
+    ),
+    Case(
+        "resume continues with the next attempt and a fresh server, without counting a failure",
+        status(Phase.SUSPENDED, 1, boot_id="boot-1", reason=Reason.SUSPENDED),
+        Observation(now=at(300)),
+        spec=make_spec(backoffLimit=0),
+        phase=Phase.STARTING_SERVER,
+        reason=Reason.RESUMED,
+        attempt=2,
+        failed_after=(),
+        actions=[Provision(), EnsureServer(2, 1)],
+        events=[("Normal", Reason.RESUMED)],
+    ),
+    Case(
+        "resuming a run created suspended starts attempt 1",
+        status(Phase.SUSPENDED, 0, reason=Reason.SUSPENDED, start=None),
+        Observation(now=at(10)),
+        phase=Phase.STARTING_SERVER,
+        reason=Reason.RESUMED,
+        attempt=1,
+    ),
+    Case(
+        "succeeded stays succeeded whatever is observed",
+        status(Phase.SUCCEEDED, 1, completed=10, reason=Reason.COMPLETED),
+        Observation(now=at(20), trainer=TrainerState.FAILED, health=healthy("boot-9")),
+        spec=make_spec(suspend=True),
+        phase=Phase.SUCCEEDED,
+        reason=Reason.COMPLETED,
+        attempt=1,
+        actions=[StopServer()],
+        events=[],
+    ),
+    Case(
+        "failed stays failed and never recreates children",
+        status(Phase.FAILED, 3, completed=10, reason=Reason.BACKOFF_LIMIT_EXCEEDED),
+        Observation(now=at(20), trainer=TrainerState.ABSENT),
+        phase=Phase.FAILED,
+        reason=Reason.BACKOFF_LIMIT_EXCEEDED,
+        actions=[StopServer()],
+        events=[],
+    ),
+    Case(
+        "ttl after finishing deletes the run",
+        status(Phase.SUCCEEDED, 1, completed=10, reason=Reason.COMPLETED),
+        Observation(now=at(15)),
+        spec=make_spec(ttlSecondsAfterFinished=5),
+        phase=Phase.SUCCEEDED,
+        reason=Reason.COMPLETED,
+        actions=[StopServer(), DeleteRun()],
+    ),
+    Case(
+        "ttl zero deletes the run as soon as it finishes",
+        status(Phase.TRAINING, 1, boot_id="b", ready=True),
+        Observation(now=at(15), trainer=TrainerState.SUCCEEDED),
+        spec=make_spec(ttlSecondsAfterFinished=0, cleanupPolicy="KeepServer"),
+        phase=Phase.SUCCEEDED,
+        reason=Reason.COMPLETED,
+        actions=[EnsureServer(1, 1), DeleteRun()],
+    ),
+    Case(
+        "colocate retry creates the next trainer directly",
+        status(Phase.TRAINING, 1),
+        Observation(now=at(30), trainer=TrainerState.FAILED),
+        spec=make_spec("colocate"),
+        phase=Phase.TRAINING,
+        reason=Reason.RETRYING,
+        attempt=2,
+        actions=[Provision(), CreateTrainer(2)],
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_transition(case: Case) -> None:
+    before = case.status.model_dump()
+    decision = decide(case.spec, case.status, case.obs, failed_attempts=case.failed, generation=1)
+    assert case.status.model_dump() == before, "decide must not mutate its input"
+    assert decision.status.phase == case.phase
+    assert decision.status.reason == case.reason
+    if case.actions:
+        assert non_meta(decision) == case.actions
+    if case.attempt is not None:
+        assert decision.status.attempt == case.attempt
+    if case.failed_after is not None:
+        assert decision.failed_attempts == case.failed_after
+    if case.events is not None:
+        assert events(decision) == case.events
+    if case.message_has:
+        assert case.message_has in (decision.status.message or "")
+    assert decision.status.observed_generation == 1
+
+
+def test_fresh_server_is_recorded_with_boot_id_url_and_ready_condition() -> None:
+    decision = decide(
+        make_spec(),
+        status(Phase.STARTING_SERVER, 2, boot_id="boot-1"),
+        Observation(now=at(5), health=healthy("boot-2"), server_url="http://r-server.ns.svc:8000"),
+    )
+    server = decision.status.server
+    assert (server.boot_id, server.ready, server.url) == ("boot-2", True, "http://r-server.ns.svc:8000")
+    cond = get_condition(decision.status.conditions, "ServerReady")
+    assert cond is not None and cond.status == "True" and cond.reason == Reason.SERVER_READY
+    running = get_condition(decision.status.conditions, "TrainerRunning")
+    assert running is not None and running.status == "True"
+
+
+def test_next_attempt_keeps_the_old_boot_id_so_the_old_server_cannot_pass() -> None:
+    failed = decide(
+        make_spec(),
+        status(Phase.TRAINING, 1, boot_id="boot-1", ready=True),
+        Observation(now=at(30), trainer=TrainerState.FAILED),
+    )
+    assert failed.status.server.boot_id == "boot-1" and failed.status.server.ready is False
+    again = decide(
+        make_spec(),
+        failed.status,
+        Observation(now=at(31), health=healthy("boot-1")),
+        failed_attempts=failed.failed_attempts,
+    )
+    assert again.status.phase == Phase.STARTING_SERVER and not again.of_type(CreateTrainer)
+
+
+def test_training_records_adapter_and_progress_from_health() -> None:
+    progress = TrainingProgress(step=7, max_steps=20, reward_mean=0.5, updated_at=at(29))
+    decision = decide(
+        make_spec(),
+        status(Phase.TRAINING, 1, boot_id="boot-1", ready=True),
+        Observation(
+            now=at(30), health=healthy("boot-1", adapter=7, progress=progress), trainer=TrainerState.ACTIVE
+        ),
+    )
+    assert decision.status.phase == Phase.TRAINING
+    assert (decision.status.adapter.version, decision.status.adapter.path) == (7, "/data/adapters/r/v7")
+    assert (decision.status.progress.step, decision.status.progress.max_steps) == (7, 20)
+    assert decision.status.progress.reward_mean == 0.5
+    assert decision.requeue_after is not None
+
+
+def test_success_records_the_final_adapter() -> None:
+    decision = decide(
+        make_spec(),
+        status(Phase.TRAINING, 1, boot_id="boot-1", ready=True),
+        Observation(now=at(30), health=healthy("boot-1", adapter=20), trainer=TrainerState.SUCCEEDED),
+    )
+    assert decision.status.phase == Phase.SUCCEEDED
+    assert decision.status.adapter.version == 20
+    assert decision.status.completion_time == at(30)
+    assert decision.status.server.ready is False
+    succeeded = get_condition(decision.status.conditions, "Succeeded")
+    assert succeeded is not None and succeeded.status == "True"
+
+
+def test_progress_read_directly_wins_over_the_health_relay() -> None:
+    direct = TrainingProgress(step=3, max_steps=9, updated_at=at(1))
+    relayed = TrainingProgress(step=1, max_steps=9, updated_at=at(0))
+    decision = decide(
+        make_spec(),
+        status(Phase.TRAINING, 1, boot_id="boot-1", ready=True),
+        Observation(
+            now=at(30),
+            health=healthy("boot-1", progress=relayed),
+            trainer=TrainerState.ACTIVE,
+            progress=direct,
+        ),
+    )
+    assert decision.status.progress.step == 3
+
+
+def test_server_restart_during_training_is_reported_and_recorded() -> None:
+    decision = decide(
+        make_spec(),
+        status(Phase.TRAINING, 1, boot_id="boot-1", ready=True),
+        Observation(now=at(30), health=healthy("boot-9"), trainer=TrainerState.ACTIVE),
+    )
+    assert ("Warning", "ServerRestarted") in events(decision)
+    assert decision.status.server.boot_id == "boot-9"
+    assert decision.status.phase == Phase.TRAINING
+
+
+def test_waiting_twice_changes_nothing_and_emits_nothing() -> None:
+    spec = make_spec()
+    first = decide(
+        spec, status(Phase.STARTING_SERVER, 1), Observation(now=at(5), health=UNREACHABLE), generation=1
+    )
+    second = decide(spec, first.status, Observation(now=at(7), health=UNREACHABLE), generation=1)
+    assert second.status == first.status
+    assert events(second) == []
+    assert second.requeue_after is not None and second.requeue_after <= 2.0
+
+
+def test_condition_time_moves_only_when_its_status_flips() -> None:
+    spec = make_spec()
+    ready = decide(spec, status(Phase.STARTING_SERVER, 1), Observation(now=at(5), health=healthy("boot-1")))
+    training = decide(
+        spec, ready.status, Observation(now=at(50), health=healthy("boot-1"), trainer=TrainerState.ACTIVE)
+    )
+    cond = get_condition(training.status.conditions, "ServerReady")
+    assert cond is not None and cond.last_transition_time == at(5)
+    failed = decide(spec, training.status, Observation(now=at(80), trainer=TrainerState.FAILED))
+    cond = get_condition(failed.status.conditions, "ServerReady")
+    assert cond is not None and cond.status == "False" and cond.last_transition_time == at(80)
+
+
+def test_set_condition_updates_reason_in_place_and_keeps_one_entry_per_type() -> None:
+    conds = set_condition([], "ServerReady", "False", "ServerStarting", "a", at(0))
+    conds = set_condition(conds, "ServerReady", "False", "WaitingForOldServer", "b", at(9))
+    assert len(conds) == 1
+    assert (conds[0].reason, conds[0].message, conds[0].last_transition_time) == (
+        "WaitingForOldServer",
+        "b",
+        at(0),
+    )
+
+
+def test_conditions_serialise_in_metav1_shape() -> None:
+    decision = decide(make_spec(), status(), Observation(now=at(0)), generation=4)
+    wire = decision.status.to_wire()["conditions"]
+    assert {c["type"] for c in wire} == {"ServerReady", "TrainerRunning"}
+    for cond in wire:
+        assert set(cond) == {
+            "type",
+            "status",
+            "reason",
+            "message",
+            "lastTransitionTime",
+            "observedGeneration",
+        }
+        assert cond["observedGeneration"] == 4
+
+
+def test_suspend_then_resume_flips_the_suspended_condition() -> None:
+    spec = make_spec(suspend=True)
+    suspended = decide(
+        spec,
+        status(Phase.TRAINING, 1, boot_id="b1", ready=True),
+        Observation(now=at(10), trainer=TrainerState.ACTIVE),
+    )
+    cond = get_condition(suspended.status.conditions, "Suspended")
+    assert cond is not None and cond.status == "True"
+    still = decide(spec, suspended.status, Observation(now=at(20), trainer=TrainerState.ABSENT))
+    assert non_meta(still) == [StopServer()] and events(still) == []
+    resumed = decide(make_spec(), still.status, Observation(now=at(30)))
+    cond = get_condition(resumed.status.conditions, "Suspended")
+    assert cond is not None and (cond.status, cond.reason) == ("False", Reason.RESUMED)
+    assert resumed.status.start_time == at(30)
+
+
+def test_ttl_not_yet_due_requeues_for_the_remaining_time() -> None:
+    decision = decide(
+        make_spec(ttlSecondsAfterFinished=60),
+        status(Phase.FAILED, 1, completed=10, reason=Reason.DEADLINE_EXCEEDED),
+        Observation(now=at(20)),
+    )
+    assert not decision.of_type(DeleteRun)
+    assert decision.requeue_after == pytest.approx(50.0)
+
+
+def test_terminal_run_stops_a_trainer_that_still_runs() -> None:
+    decision = decide(
+        make_spec(),
+        status(Phase.FAILED, 2, completed=10, reason=Reason.DEADLINE_EXCEEDED),
+        Observation(now=at(20), trainer=TrainerState.ACTIVE),
+    )
+    assert DeleteTrainer(2) in decision.actions
+
+
+@pytest.mark.parametrize(
+    ("phase", "suspend", "mode", "expected"),
+    [
+        (Phase.STARTING_SERVER, False, "server", True),
+        (Phase.TRAINING, False, "server", True),
+        (Phase.PENDING, False, "server", False),
+        (Phase.TRAINING, True, "server", False),
+        (Phase.TRAINING, False, "colocate", False),
+        (Phase.SUCCEEDED, False, "server", False),
+    ],
+)
+def test_health_is_wanted_only_while_a_server_should_be_serving(
+    phase: Phase, suspend: bool, mode: str, expected: bool
+) -> None:
+    assert wants_health(make_spec(mode, suspend=suspend), status(phase, 1)) is expected
+
+
+def test_whole_run_one_failure_then_success() -> None:
+    """Walk a run the way an executor would: act, observe, decide again."""
+    spec = make_spec(backoffLimit=1)
+    st, failed, phases = GRPORunStatus(), (), []
+
+    def step(now: float, **obs: Any) -> Decision:
+        nonlocal st, failed
+        d = decide(spec, st, Observation(now=at(now), **obs), failed_attempts=failed)
+        st, failed = d.status, d.failed_attempts
+        phases.append((d.status.phase, d.status.attempt))
+        return d
+
+    step(0)
+    step(2, health=UNREACHABLE)
+    assert CreateTrainer(1) in step(4, health=healthy("boot-1")).actions
+    step(20, health=healthy("boot-1", adapter=2), trainer=TrainerState.ACTIVE)
+    assert EnsureServer(2, 1) in step(30, trainer=TrainerState.FAILED).actions
+    step(31, older_servers_alive=1, health=healthy("boot-1", adapter=2))
+    assert not step(32, health=healthy("boot-1", adapter=2)).of_type(CreateTrainer)
+    assert CreateTrainer(2) in step(35, health=healthy("boot-2")).actions
+    done = step(60, health=healthy("boot-2", adapter=9), trainer=TrainerState.SUCCEEDED)
+    assert done.status.phase == Phase.SUCCEEDED and done.status.attempt == 2 and failed == (1,)
+    assert [p for p, _ in phases] == [
+        Phase.STARTING_SERVER,
+        Phase.STARTING_SERVER,
+        Phase.TRAINING,
+        Phase.TRAINING,
+        Phase.STARTING_SERVER,
+        Phase.STARTING_SERVER,
+        Phase.STARTING_SERVER,
+        Phase.TRAINING,
+        Phase.SUCCEEDED,
+    ]
+
+
+def test_invalid_spec_fails_the_run_once_with_a_warning() -> None:
+    from grpo_api.lifecycle import reject
+
+    decision = reject(status(Phase.STARTING_SERVER, 1), "spec.trainer.maxSteps: bad", at(3), generation=2)
+    assert (decision.status.phase, decision.status.reason) == (Phase.FAILED, Reason.INVALID_SPEC)
+    assert events(decision) == [("Warning", Reason.INVALID_SPEC)]
+    failed = get_condition(decision.status.conditions, "Failed")
+    assert failed is not None and failed.status == "True"
+    again = reject(decision.status, "spec.trainer.maxSteps: bad", at(9), generation=2)
+    assert again.status == decision.status and again.actions == ()
+    done = reject(status(Phase.SUCCEEDED, 1, completed=1, reason=Reason.COMPLETED), "late", at(9))
+    assert done.status.phase == Phase.SUCCEEDED and done.actions == ()
