@@ -5,6 +5,11 @@
 #
 #   hack/build-testbin.sh            # build what is missing, print the bin dir
 #   GRPO_TESTBIN=/some/dir hack/...  # use another cache root
+#   hack/build-testbin.sh etcd k8s   # only these (targets: etcd k8s helm promtool)
+#
+# Cold build times measured on 2 shared (busy) cores, empty module and build caches: etcd 1m50s,
+# kube-apiserver + kube-controller-manager + kubectl 12m15s, helm 11m, promtool 10m; a warm cache
+# returns at once. Concurrent callers wait for each other per tool (flock) instead of building twice.
 #
 # Each tool is built in its own throw-away wrapper module so that Go's minimal
 # version selection never bumps one tool's dependencies for another's sake.
@@ -83,7 +88,9 @@ build_helm() {
 build_promtool() {
   [ -x "$BIN/promtool" ] && return
   log "building promtool (prometheus module v$PROM_VERSION)"
-  if ! GOBIN="$BIN" go install -trimpath -tags remove_all_sd -ldflags "-s -w" \
+  local p=${PROM_VERSION#0.}; local release="${p:0:1}.${p:1}"   # module v0.316.0 is Prometheus 3.16.0
+  if ! GOBIN="$BIN" go install -trimpath -tags remove_all_sd \
+      -ldflags "-s -w -X github.com/prometheus/common/version.Version=$release" \
       "github.com/prometheus/prometheus/cmd/promtool@v$PROM_VERSION"; then
     log "go install refused promtool; building it from a wrapper module"
     local d; d=$(wrapper promtool); cd "$d"
@@ -95,5 +102,8 @@ build_promtool() {
 }
 
 targets=${*:-etcd k8s helm promtool}
-for t in $targets; do "build_$t"; done
+for t in $targets; do
+  # One builder per tool at a time: a second caller (another test session) waits, then finds it built.
+  ( flock 9; "build_$t" ) 9>"$BIN/.build-$t.lock"
+done
 echo "$BIN"

@@ -13,17 +13,21 @@ from typing import Any
 
 from grpo_api.lifecycle import TrainerState
 from grpo_api.models import KIND
-
-from grpo_operator.builders import ATTEMPT_ANNOTATION, ATTEMPT_LABEL
+from grpo_operator.builders import ATTEMPT_ANNOTATION, ATTEMPT_LABEL, COMPONENT_LABEL, SERVER, TRAINER
 
 
 @dataclass(frozen=True)
 class PodInfo:
     name: str
+    component: str
     attempt: int | None
     ready: bool
     terminating: bool
     created: dt.datetime | None
+    #: The Job a trainer pod belongs to.
+    job_name: str | None = None
+    #: Why it is not running well (unschedulable, image pull, crash, non-zero exit), for status messages.
+    problem: str = ""
 
 
 @dataclass(frozen=True)
@@ -45,11 +49,12 @@ class JobInfo:
 
 @dataclass(frozen=True)
 class Children:
-    """A snapshot of one run's server pods, server Deployment and trainer Jobs."""
+    """A snapshot of one run's server pods, server Deployment, trainer Jobs and their pods."""
 
     pods: tuple[PodInfo, ...] = ()
     deployment: DeploymentInfo | None = None
     jobs: tuple[JobInfo, ...] = ()
+    trainer_pods: tuple[PodInfo, ...] = ()
 
     def job(self, name: str) -> JobInfo | None:
         return next((j for j in self.jobs if j.name == name), None)
@@ -64,6 +69,11 @@ class Children:
     def pod_of(self, attempt: int) -> PodInfo | None:
         return next((p for p in self.pods if p.attempt == attempt and not p.terminating), None)
 
+    def trainer_problem(self, job_name: str) -> str:
+        """What went wrong in the Job's pod (exit code, reason, termination message), if anything."""
+        return next((f"pod {p.name}: {p.problem}" for p in self.trainer_pods
+                     if p.job_name == job_name and p.problem), "")
+
 
 def snapshot(
     run_uid: str, pods: Iterable[PodInfo], deployments: Iterable[DeploymentInfo], jobs: Iterable[JobInfo]
@@ -75,8 +85,10 @@ def snapshot(
     when this run owns them (one of an earlier run of the same name is being garbage-collected).
     """
     owned_deployments = [d for d in deployments if d.owner == run_uid]
+    pods = list(pods)
     return Children(
-        pods=tuple(pods),
+        pods=tuple(p for p in pods if p.component == SERVER),
+        trainer_pods=tuple(p for p in pods if p.component == TRAINER),
         deployment=owned_deployments[0] if owned_deployments else None,
         jobs=tuple(j for j in jobs if j.owner == run_uid),
     )
@@ -110,15 +122,46 @@ def _time(value: Any) -> dt.datetime | None:
 
 def pod_info(body: dict[str, Any]) -> PodInfo:
     meta = body.get("metadata") or {}
-    conditions = (body.get("status") or {}).get("conditions") or []
+    labels = meta.get("labels") or {}
+    status = body.get("status") or {}
+    conditions = status.get("conditions") or []
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
     return PodInfo(
         name=meta.get("name", ""),
-        attempt=_attempt(meta.get("annotations"), meta.get("labels")),
+        component=labels.get(COMPONENT_LABEL, ""),
+        attempt=_attempt(meta.get("annotations"), labels),
         ready=ready,
         terminating=meta.get("deletionTimestamp") is not None,
         created=_time(meta.get("creationTimestamp")),
+        job_name=labels.get("batch.kubernetes.io/job-name") or labels.get("job-name"),
+        problem=pod_problem(status),
     )
+
+
+#: Waiting reasons that are normal on the way up.
+_STARTING = frozenset({"ContainerCreating", "PodInitializing"})
+MAX_PROBLEM_CHARS = 300
+
+
+def pod_problem(status: dict[str, Any]) -> str:
+    """The first sign of trouble in a pod's status, as one short line ("" when there is none)."""
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and cond.get("reason"):
+            return _short(f"{cond['reason']}: {cond.get('message', '')}")
+    for container in status.get("containerStatuses") or []:
+        state = container.get("state") or {}
+        waiting, terminated = state.get("waiting") or {}, state.get("terminated") or {}
+        if waiting.get("reason") and waiting["reason"] not in _STARTING:
+            return _short(f"{waiting['reason']}: {waiting.get('message', '')}")
+        if terminated and terminated.get("exitCode", 0) != 0:
+            return _short(f"exit code {terminated.get('exitCode')} ({terminated.get('reason', '')}): "
+                          f"{terminated.get('message', '')}")
+    return ""
+
+
+def _short(text: str) -> str:
+    text = " ".join(text.split()).rstrip(": ")
+    return text if len(text) <= MAX_PROBLEM_CHARS else text[: MAX_PROBLEM_CHARS - 1] + "…"
 
 
 def deployment_info(body: dict[str, Any]) -> DeploymentInfo:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import click
 
 from grpo_operator.reconcile import OperatorConfig
@@ -97,6 +99,8 @@ def operator(
         metrics_port=metrics_port,
     )
     kopf.configure(verbose=verbose, debug=debug)
+    # The client logs whole response bodies at DEBUG: far too much even for --debug.
+    logging.getLogger("kubernetes.client.rest").setLevel(logging.INFO)
     kopf.run(
         standalone=standalone,
         clusterwide=all_namespaces,

@@ -8,7 +8,6 @@ Children are read from kopf indexes (watch-fed caches), so a quiet reconcile cos
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import logging
 import time
@@ -17,8 +16,8 @@ from typing import Any
 
 import kopf
 import prometheus_client
-from grpo_api.models import GROUP, PLURAL, VERSION
 
+from grpo_api.models import GROUP, PLURAL, VERSION
 from grpo_operator import builders, children, reconcile
 from grpo_operator.health import HealthClient
 from grpo_operator.kube import KubeClient, load_api_client
@@ -67,8 +66,8 @@ def _run_key(namespace: str | None, labels: kopf.Labels) -> RunKey:
     return (namespace or "", labels[builders.RUN_LABEL])
 
 
-@kopf.index("pods", labels={builders.RUN_LABEL: kopf.PRESENT, builders.COMPONENT_LABEL: builders.SERVER})
-def server_pods(body: kopf.Body, namespace: str | None, labels: kopf.Labels, **_: Any) -> dict[RunKey, Any]:
+@kopf.index("pods", labels={builders.RUN_LABEL: kopf.PRESENT})
+def run_pods(body: kopf.Body, namespace: str | None, labels: kopf.Labels, **_: Any) -> dict[RunKey, Any]:
     return {_run_key(namespace, labels): children.pod_info(dict(body))}
 
 
@@ -98,12 +97,15 @@ def trainer_jobs(body: kopf.Body, namespace: str | None, labels: kopf.Labels, **
 
 
 # kopf passes the indexes as extra kwargs, which its DaemonFn protocol cannot express.
-@kopf.daemon(GROUP, VERSION, PLURAL, id="reconcile", backoff=5, cancellation_timeout=10)  # type: ignore[arg-type]
+@kopf.daemon(  # type: ignore[arg-type]
+    GROUP, VERSION, PLURAL, id="reconcile", backoff=5, cancellation_backoff=5, cancellation_timeout=10
+)
 async def reconcile_run(
     body: kopf.Body,
     meta: kopf.Meta,
     memo: kopf.Memo,
-    server_pods: kopf.Index[RunKey, children.PodInfo],
+    stopped: kopf.DaemonStopped,
+    run_pods: kopf.Index[RunKey, children.PodInfo],
     server_deployments: kopf.Index[RunKey, children.DeploymentInfo],
     trainer_jobs: kopf.Index[RunKey, children.JobInfo],
     **_: Any,
@@ -113,17 +115,26 @@ async def reconcile_run(
     wakeup: asyncio.Event = memo.setdefault("wakeup", asyncio.Event())
     loop = asyncio.get_running_loop()
     try:
-        while True:
+        while not stopped:
             wakeup.clear()
             snapshot = children.snapshot(
-                uid, server_pods.get(key, []), server_deployments.get(key, []), trainer_jobs.get(key, [])
+                uid, run_pods.get(key, []), server_deployments.get(key, []), trainer_jobs.get(key, [])
             )
             raw = copy.deepcopy(dict(body))
             delay = await loop.run_in_executor(runtime.executor, reconcile.reconcile, runtime, raw, snapshot)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wakeup.wait(), timeout=delay)
+            await _nap(delay, wakeup, stopped)
     finally:
         runtime.forget(uid)
+
+
+async def _nap(delay: float, wakeup: asyncio.Event, stopped: kopf.DaemonStopped) -> None:
+    """Sleep until the delay passes, the run changes, or the daemon is asked to stop."""
+    waits = {asyncio.ensure_future(wakeup.wait()), asyncio.ensure_future(stopped.wait(delay))}
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiting in waits:
+            waiting.cancel()
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import httpx
+from pydantic import ValidationError
+
 from grpo_api.lifecycle import HealthCheck
 from grpo_api.protocol import HealthResponse
-from pydantic import ValidationError
 
 #: Short: a reconcile waits for this, and a server that is slow to answer is not ready anyway.
 DEFAULT_TIMEOUT_SECONDS = 2.0

@@ -13,11 +13,11 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from grpo_api.models import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
+from grpo_api.models import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from grpo_operator import metrics
 
 MERGE_PATCH = "application/merge-patch+json"
@@ -43,9 +43,12 @@ class KubeClient:
         self.batch = client.BatchV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
 
-    def _call(self, verb: str, kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _call(self, verb: str, kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """One request; the answer as a plain dict (the client's model classes cost CPU and are not needed)."""
         metrics.API_REQUESTS.labels(verb=verb, kind=kind).inc()
-        return fn(*args, _request_timeout=REQUEST_TIMEOUT_SECONDS, **kwargs)
+        response = fn(*args, _request_timeout=REQUEST_TIMEOUT_SECONDS, _preload_content=False, **kwargs)
+        body: dict[str, Any] = json.loads(response.data) if response.data else {}
+        return body
 
     # -- children --------------------------------------------------------------------------------
 
@@ -100,32 +103,27 @@ class KubeClient:
 
     def read_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            response = self._call(
-                "get", "Job", self.batch.read_namespaced_job, name, namespace, _preload_content=False
-            )
+            return self._call("get", "Job", self.batch.read_namespaced_job, name, namespace)
         except ApiException as exc:
             if exc.status == 404:
                 return None
             raise
-        body: dict[str, Any] = json.loads(response.data)
-        return body
 
     # -- the run itself --------------------------------------------------------------------------
 
     def read_run(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            body: dict[str, Any] = self._call(
+            return self._call(
                 "get", KIND, self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name
             )
         except ApiException as exc:
             if exc.status == 404:
                 return None
             raise
-        return body
 
     def patch_run_status(self, namespace: str, name: str, status: dict[str, Any]) -> str:
         """Merge-patch the status subresource; returns the new resourceVersion."""
-        body: dict[str, Any] = self._call(
+        body = self._call(
             "patch",
             f"{KIND}/status",
             self.custom.patch_namespaced_custom_object_status,
@@ -141,7 +139,7 @@ class KubeClient:
         return str(body["metadata"]["resourceVersion"])
 
     def patch_run_annotations(self, namespace: str, name: str, annotations: dict[str, str | None]) -> str:
-        body: dict[str, Any] = self._call(
+        body = self._call(
             "patch",
             KIND,
             self.custom.patch_namespaced_custom_object,

@@ -19,6 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
+from urllib3.exceptions import HTTPError as Urllib3HTTPError
+
 from grpo_api.lifecycle import (
     CreateTrainer,
     Decision,
@@ -39,10 +43,6 @@ from grpo_api.lifecycle import (
 )
 from grpo_api.models import GRPORun, GRPORunStatus, Mode, Phase, Reason
 from grpo_api.runconfig import format_validation_error
-from kubernetes.client.exceptions import ApiException
-from pydantic import ValidationError
-from urllib3.exceptions import HTTPError as Urllib3HTTPError
-
 from grpo_operator import builders, metrics
 from grpo_operator.children import Children, job_info
 from grpo_operator.health import DEFAULT_TIMEOUT_SECONDS, HealthClient
@@ -198,7 +198,9 @@ def observe(
             health = rt.health.check(service_url, path)
         else:
             # Without a Ready pod the Service has no endpoint: skip the HTTP call.
-            health = HealthCheck(reachable=False, error=f"no ready server pod of attempt {attempt} yet")
+            pod = children.pod_of(attempt)
+            trouble = f" ({pod.name}: {pod.problem})" if pod is not None and pod.problem else ""
+            health = HealthCheck(reachable=False, error=f"no ready server pod of attempt {attempt} yet{trouble}")
     return Observation(
         now=now,
         older_servers_alive=older,
@@ -222,7 +224,8 @@ def trainer_state(
         job = job_info(raw) if raw is not None else None
     if job is None:
         return TrainerState.ABSENT, ""
-    return job.state, job.message
+    problem = children.trainer_problem(name) if job.state == TrainerState.FAILED else ""
+    return job.state, "; ".join(part for part in (job.message, problem) if part)
 
 
 def _server_url_override(rt: Runtime, run: GRPORun) -> str | None:
@@ -334,6 +337,9 @@ def _record(
             rt.kube.create_event(namespace, name, uid, emit.type, emit.reason, emit.message)
         except ApiException as exc:
             log.warning("could not post event %s on %s/%s: %s", emit.reason, namespace, name, exc.reason)
+    if (decision.status.phase, decision.status.reason) != (status.phase, status.reason):
+        log.info("%s/%s: %s -> %s (%s): %s", namespace, name, status.phase, decision.status.phase,
+                 decision.status.reason, decision.status.message)
     rt.phases[uid] = decision.status.phase
     metrics.set_runs_by_phase(rt.phases)
 

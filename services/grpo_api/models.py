@@ -517,10 +517,13 @@ SPEC_RULES: list[dict[str, str]] = [
         fieldPath=".server",
         reason="FieldValueForbidden",
     ),
+    # Server mode without a server section runs the default server: its maxLoraRank still applies.
     _cel(
-        "!has(self.server) || !has(self.trainer) || !has(self.trainer.lora) || !has(self.server.maxLoraRank) "
-        "|| !has(self.trainer.lora.r) || self.trainer.lora.r <= self.server.maxLoraRank",
-        "spec.trainer.lora.r must not exceed spec.server.maxLoraRank",
+        "self.mode == 'colocate' || !has(self.trainer) || !has(self.trainer.lora) || !has(self.trainer.lora.r) "
+        "|| self.trainer.lora.r <= ((has(self.server) && has(self.server.maxLoraRank)) "
+        f"? self.server.maxLoraRank : {ServerSpec.model_fields['max_lora_rank'].default})",
+        "spec.trainer.lora.r must not exceed spec.server.maxLoraRank "
+        f"({ServerSpec.model_fields['max_lora_rank'].default} when spec.server is omitted)",
         fieldPath=".trainer.lora.r",
     ),
 ]

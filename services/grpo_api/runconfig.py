@@ -30,6 +30,11 @@ class RunRef(BaseModel):
     uid: str = Field(default="", description="GRPORun UID.")
 
 
+def history_file_for(progress_file: Path) -> Path:
+    """Where the trainer appends each step's progress, beside the progress file."""
+    return progress_file.with_suffix(".history.jsonl")
+
+
 class RunPaths(BaseModel):
     """Where things live on the shared volume (or the local run directory)."""
 
@@ -43,7 +48,7 @@ class RunPaths(BaseModel):
     @property
     def history_file(self) -> str:
         """Every step's progress record, one JSON line each (the local runner's reward curve)."""
-        return str(Path(self.progress_file).with_suffix(".history.jsonl"))
+        return str(history_file_for(Path(self.progress_file)))
 
     @classmethod
     def under(cls, volume_root: str | Path, run_name: str) -> RunPaths:

@@ -79,10 +79,6 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _engine(request: Request, exc: EngineError) -> JSONResponse:
         return error_response(503, "engine_error", str(exc))
 
-    @app.exception_handler(BodyTooLarge)
-    async def _too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
-        return error_response(413, "body_too_large", str(exc))
-
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         error, message = describe_validation_error(exc)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -35,17 +36,27 @@ class BodyLimitMiddleware:
                     await response(scope, receive, send)
                     return
         received = 0
+        exceeded = False
 
         async def limited_receive() -> Message:
-            nonlocal received
+            nonlocal received, exceeded
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
+                    exceeded = True
                     raise BodyTooLarge(self.max_bytes)
             return message
 
-        await self.app(scope, limited_receive, send)
+        async def guarded_send(message: Message) -> None:
+            if not exceeded:  # the app's own answer to the aborted read is replaced by the 413 below
+                await send(message)
+
+        with contextlib.suppress(BodyTooLarge):
+            await self.app(scope, limited_receive, guarded_send)
+        if exceeded:
+            response = error_response(413, "body_too_large", f"request body exceeds {self.max_bytes} bytes")
+            await response(scope, receive, send)
 
 
 class RequestMetricsMiddleware:

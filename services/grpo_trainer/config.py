@@ -106,8 +106,6 @@ def grpo_config_kwargs(
     }
     if colocate:
         kwargs["vllm_enable_sleep_mode"] = True
-        if spec.model.dtype != "auto":
-            kwargs["model_init_kwargs"] = {"dtype": str(spec.model.dtype)}
     return kwargs
 
 

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 from datasets import Dataset, DatasetDict, load_from_disk
 from datasets.table import InMemoryTable
@@ -39,7 +40,7 @@ def detect_format(path: Path, declared: DatasetFormat | str) -> DatasetFormat:
     )
 
 
-def _read_jsonl(path: Path) -> Dataset:
+def _read_jsonl(path: Path, prompt_field: str) -> Dataset:
     rows: list[dict[str, Any]] = []
     with path.open() as f:
         for number, line in enumerate(f, start=1):
@@ -51,8 +52,17 @@ def _read_jsonl(path: Path) -> Dataset:
                 raise DatasetError(f"{path} line {number}: not valid JSON: {exc}") from exc
             if not isinstance(row, dict):
                 raise DatasetError(f"{path} line {number}: expected a JSON object, got {type(row).__name__}")
+            prompt = row.get(prompt_field)
+            if prompt_field in row and not (isinstance(prompt, str) or _is_conversation(prompt)):
+                raise DatasetError(
+                    f"{path} line {number}: {prompt_field} must be a string or a list of {{role, content}} "
+                    f"messages, got {type(prompt).__name__}"
+                )
             rows.append(row)
-    return Dataset.from_list(rows)
+    try:
+        return Dataset.from_list(rows)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise DatasetError(f"{path}: a column holds values of different types: {exc}") from exc
 
 
 def _read_saved(path: Path, split: str) -> Dataset:
@@ -73,7 +83,7 @@ def read_dataset(path: Path, spec: DatasetSpec) -> Dataset:
     fmt = detect_format(path, spec.format)
     try:
         if fmt == DatasetFormat.JSONL:
-            return _read_jsonl(path)
+            return _read_jsonl(path, spec.prompt_field)
         if fmt == DatasetFormat.PARQUET:
             return Dataset(InMemoryTable(pq.read_table(path)))
         return _read_saved(path, spec.split)

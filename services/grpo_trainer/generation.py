@@ -114,6 +114,10 @@ class Prefetcher:
                     self._queue.append(_Pending(ahead, ids, self._pool.submit(self.request, ids)))
         return current
 
+    def pending_positions(self) -> list[int]:
+        """Schedule positions requested ahead and not yet taken."""
+        return [p.position for p in self._queue]
+
     def discard(self) -> int:
         """Drop every prefetched batch (after a server restart); returns how many."""
         dropped = len(self._queue)
@@ -137,7 +141,6 @@ class GenerationBackend:
         metrics: TrainerMetrics,
         *,
         model_name: str,
-        sampling: dict[str, Any],
         num_generations: int,
         bound: int,
         seed: int,
@@ -150,7 +153,8 @@ class GenerationBackend:
         self.store = store
         self.metrics = metrics
         self.model_name = model_name
-        self.sampling = sampling
+        #: Sampling fields of each request; ServerGeneration fills them from TRL's generation settings.
+        self.sampling: dict[str, Any] = {}
         self.num_generations = num_generations
         self.bound = bound
         self.seed = seed

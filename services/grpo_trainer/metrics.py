@@ -13,6 +13,8 @@ import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from grpo_trainer.errors import TrainingFailed
+
 #: Overrides spec.trainer.metricsPort; "0" disables the endpoint (tests run several trainers at once).
 ENV_METRICS_PORT = "GRPO_TRAINER_METRICS_PORT"
 
@@ -189,8 +191,14 @@ class TrainerMetrics:
 
     def serve(self, port: int) -> None:
         """Serve /metrics on port (0: do not serve)."""
-        if port > 0:
+        if port <= 0:
+            return
+        try:
             start_http_server(port, registry=self.registry)
+        except OSError as exc:
+            raise TrainingFailed(
+                f"cannot serve /metrics on port {port} (spec.trainer.metricsPort, or ${ENV_METRICS_PORT}): {exc}"
+            ) from exc
 
 
 def metrics_port(spec_port: int) -> int:

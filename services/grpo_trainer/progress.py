@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from grpo_api.protocol import TrainingProgress
+from grpo_api.runconfig import history_file_for
 
 
 def write_progress(path: Path, progress: TrainingProgress) -> None:
@@ -22,3 +23,11 @@ def write_progress(path: Path, progress: TrainingProgress) -> None:
 
 def now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
+
+
+def append_history(progress_file: Path, progress: TrainingProgress) -> None:
+    """One JSON line per logged step beside the progress file (the local runner's reward curve)."""
+    path = history_file_for(progress_file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(progress.model_dump_json() + "\n")

@@ -87,11 +87,13 @@ class AdapterStore:
         self.root = root
         self.base_model_fingerprint = base_model_fingerprint
         self._steps: dict[int, int] = {}
+        #: Highest version known elsewhere (the server's active one): never publish at or below it.
+        self.floor = 0
 
     def next_version(self) -> int:
-        """One above every version on the volume (a new attempt never reuses a directory name)."""
+        """One above every version on the volume or known to the server (names are never reused)."""
         known = list_versions(self.root)
-        return max([0, *known, *self._steps]) + 1
+        return max([self.floor, *known, *self._steps]) + 1
 
     def publish(self, save: Callable[[Path], None], step: int) -> PublishedAdapter:
         """Save via `save(dir)`, check, write the manifest, fsync, rename to v<N>."""

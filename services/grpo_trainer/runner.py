@@ -19,6 +19,7 @@ from grpo_api.protocol import ENV_ATTEMPT, HealthResponse, TrainingProgress
 from grpo_api.runconfig import RunConfig
 from grpo_trainer.checkpoints import latest_complete, remove_incomplete
 from grpo_trainer.client import ServerClient
+from grpo_trainer.config import Platform
 from grpo_trainer.errors import ServerMismatch, TrainingFailed
 from grpo_trainer.metrics import TrainerMetrics, metrics_port
 from grpo_trainer.publish import AdapterStore
@@ -100,6 +101,8 @@ def run_training(cfg: RunConfig, *, attempt: int) -> TrainingProgress:
         )
         health = handshake(client, fingerprint=fingerprint, model_dir=model_dir, resuming=resume is not None,
                            timeout=t.generation_timeout_seconds)
+        if health.adapter is not None:
+            store.floor = health.adapter.version
         log(f"server {cfg.server_url} ok: model {health.model}, boot {health.boot_id}, engine {health.engine}")
     sync = AdapterSync(store, client, metrics, boot_id=health.boot_id if health else None,
                        retry_seconds=t.generation_timeout_seconds, log=log)
@@ -126,7 +129,7 @@ def _train(
     # Heavy imports only once the run is known to be viable.
     import torch
     from peft import LoraConfig
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PrinterCallback
     from trl import GRPOConfig
 
     from grpo_trainer.config import check_supported, grpo_config_kwargs, lora_config_kwargs
@@ -178,7 +181,6 @@ def _train(
         backend = GenerationBackend(
             client, sync, store, metrics,
             model_name=health.model,
-            sampling={},
             num_generations=t.num_generations,
             bound=staleness_bound(t.sync_interval, depth),
             seed=t.seed,
@@ -197,6 +199,7 @@ def _train(
     else:
         trainer = ServerGRPOTrainer(**trainer_kwargs)
     session.bind(trainer)
+    trainer.remove_callback(PrinterCallback)  # the session prints one line per step instead
 
     metrics.serve(metrics_port(t.metrics_port))
     removed = remove_incomplete(Path(cfg.paths.checkpoint_dir))
@@ -214,9 +217,7 @@ def _train(
     return progress
 
 
-def _platform(torch: Any) -> Any:
-    from grpo_trainer.config import Platform
-
+def _platform(torch: Any) -> Platform:
     cuda = bool(torch.cuda.is_available())
     return Platform(
         cuda=cuda,
@@ -232,7 +233,7 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def _load_model(model_dir: Path, dtype: str, *, quantize: bool, platform: Any) -> Any:
+def _load_model(model_dir: Path, dtype: str, *, quantize: bool, platform: Platform) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 

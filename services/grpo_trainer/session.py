@@ -23,7 +23,7 @@ from grpo_api.adapters import read_manifest
 from grpo_api.protocol import TrainingProgress
 from grpo_trainer.checkpoints import mark_complete
 from grpo_trainer.metrics import TrainerMetrics
-from grpo_trainer.progress import now, write_progress
+from grpo_trainer.progress import append_history, now, write_progress
 from grpo_trainer.sync import AdapterSync, SyncResult
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -104,7 +104,7 @@ class TrainingSession:
             return  # the end-of-training summary, not a step
         reward, std = _number(logs.get("reward")), _number(logs.get("reward_std"))
         self._last_reward = (reward, std)
-        self.write_progress(state.global_step, done=False)
+        append_history(self.progress_file, self.write_progress(state.global_step, done=False))
         version = self.sync.active.version if self.sync.active else None
         staleness = self.staleness()
         self._log(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -66,6 +67,15 @@ def chart_tools(tmp_path_factory: pytest.TempPathFactory) -> ChartTools:
     return tools
 
 
+class Yaml12Loader(yaml.SafeLoader):
+    """PyYAML follows YAML 1.1, where `1e-05` (no dot) is a string; Helm and Kubernetes read it as
+    YAML 1.2 does, as a number."""
+
+
+Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9]+[eE][-+]?[0-9]+$"),
+                                   list("-+0123456789"))
+
+
 class Chart:
     """`helm template` / `helm lint` of charts/grpo-operator with given values."""
 
@@ -95,7 +105,7 @@ class Chart:
         return result.stdout
 
     def render(self, values: dict[str, Any] | None = None, namespace: str = RELEASE_NAMESPACE) -> list[dict[str, Any]]:
-        docs = yaml.safe_load_all(self.template_text(values, namespace))
+        docs = yaml.load_all(self.template_text(values, namespace), Loader=Yaml12Loader)
         return [doc for doc in docs if doc]
 
     def lint(self, values: dict[str, Any] | None = None) -> subprocess.CompletedProcess[str]:

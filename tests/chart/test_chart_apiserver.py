@@ -20,13 +20,15 @@ import yaml
 
 from tests.fixtures.controlplane import ControlPlane, wait_for
 
-from .conftest import CHART, RELEASE_NAMESPACE, Chart, ChartTools, one
+from .conftest import CHART, Chart, ChartTools, one
 from .test_chart_render import SCENARIOS
 
 pytestmark = pytest.mark.controlplane
 
-#: Namespaces the scenarios put objects in.
-NAMESPACES = (RELEASE_NAMESPACE, "team-a", "team-b", "monitoring")
+#: The release namespace here, and the namespaces the scenarios put objects in. Not grpo-system:
+#: other tests of the session use that one, and this one enforces the restricted standard.
+DRY_RUN_NAMESPACE = "grpo-chart-dry-run"
+NAMESPACES = (DRY_RUN_NAMESPACE, "chart-team-a", "chart-team-b", "chart-monitoring")
 FIELD_MANAGER = "grpo-chart-tests"
 PSS_WARNING = "would violate PodSecurity"
 
@@ -58,7 +60,7 @@ def cluster_ready(control_plane: ControlPlane, monitoring_crds: list[str]) -> Co
     """Namespaces in place; the release namespace enforces (and warns on) the restricted standard."""
     restricted = {f"pod-security.kubernetes.io/{mode}": "restricted" for mode in ("enforce", "warn", "audit")}
     for name in NAMESPACES:
-        ensure_namespace(control_plane, name, restricted if name == RELEASE_NAMESPACE else None)
+        ensure_namespace(control_plane, name, restricted if name == DRY_RUN_NAMESPACE else None)
     return control_plane
 
 
@@ -70,7 +72,7 @@ def dry_run_apply(control_plane: ControlPlane, manifests: str) -> subprocess.Com
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_every_rendered_manifest_passes_a_server_side_dry_run(chart: Chart, cluster_ready: ControlPlane,
                                                               scenario: str) -> None:
-    manifests = chart.template_text(SCENARIOS[scenario])
+    manifests = chart.template_text(SCENARIOS[scenario], namespace=DRY_RUN_NAMESPACE)
     result = dry_run_apply(cluster_ready, manifests)
     assert result.returncode == 0, f"the apiserver refused the {scenario} manifests:\n{result.stderr}"
     applied = [line for line in result.stdout.splitlines() if "serverside-applied (server dry run)" in line]
@@ -81,7 +83,7 @@ def test_every_rendered_manifest_passes_a_server_side_dry_run(chart: Chart, clus
 
 def test_operator_pod_meets_the_restricted_standard_and_the_check_can_fail(chart: Chart,
                                                                            cluster_ready: ControlPlane) -> None:
-    deployment = one(chart.render(), "Deployment")
+    deployment = one(chart.render(namespace=DRY_RUN_NAMESPACE), "Deployment")
     result = dry_run_apply(cluster_ready, json.dumps(deployment))
     assert result.returncode == 0, result.stderr
     assert PSS_WARNING not in result.stderr, result.stderr

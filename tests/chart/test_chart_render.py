@@ -6,6 +6,8 @@ choices the apiserver cannot judge (watch mode, RBAC scope, selectors matching t
 
 from __future__ import annotations
 
+import json
+import re
 import tomllib
 from typing import Any
 
@@ -25,8 +27,8 @@ VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["versi
 #: Non-default values the chart must render, lint and (test_chart_apiserver.py) apply.
 SCENARIOS: dict[str, dict[str, Any]] = {
     "defaults": {},
-    "namespaced-two-namespaces": {"watch": {"mode": "namespaced", "namespaces": ["team-a", "team-b"]}},
-    "cluster-wide": {"watch": {"mode": "cluster"}, "networkPolicy": {"namespaces": ["team-a"]}},
+    "namespaced-two-namespaces": {"watch": {"mode": "namespaced", "namespaces": ["chart-team-a", "chart-team-b"]}},
+    "cluster-wide": {"watch": {"mode": "cluster"}, "networkPolicy": {"namespaces": ["chart-team-a"]}},
     "monitoring-on": {
         "metrics": {"operator": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus"}}},
                     "servers": {"podMonitor": {"enabled": True}},
@@ -40,7 +42,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
                     "servers": {"podMonitor": {"enabled": True}},
                     "trainers": {"podMonitor": {"enabled": True}}},
         "prometheusRule": {"enabled": True},
-        "grafanaDashboards": {"enabled": True, "namespace": "monitoring"},
+        "grafanaDashboards": {"enabled": True, "namespace": "chart-monitoring"},
     },
     "everything-off": {
         "crds": {"install": False}, "rbac": {"create": False},
@@ -52,7 +54,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 MONITORING_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 
 
-def sample_run(namespace: str = "team-a") -> GRPORun:
+def sample_run(namespace: str = "chart-team-a") -> GRPORun:
     return GRPORun.model_validate({
         "apiVersion": "grpo.dev/v1alpha1", "kind": "GRPORun",
         "metadata": {"name": "demo", "namespace": namespace, "uid": "0b5e5a1e-0000-4000-8000-000000000001"},
@@ -148,8 +150,25 @@ def test_namespaced_mode_watches_the_release_namespace_by_default(chart: Chart) 
 def test_namespaced_mode_watches_the_listed_namespaces(chart: Chart) -> None:
     docs = chart.render(SCENARIOS["namespaced-two-namespaces"])
     (container,) = pod_template(one(docs, "Deployment"))["spec"]["containers"]
-    assert [a for a in container["args"] if a.startswith("--namespace")] == ["--namespace=team-a",
-                                                                                "--namespace=team-b"]
+    assert [a for a in container["args"] if a.startswith("--namespace")] == ["--namespace=chart-team-a",
+                                                                                "--namespace=chart-team-b"]
+
+
+@pytest.mark.parametrize("scenario", ["defaults", "namespaced-two-namespaces", "cluster-wide"])
+def test_operator_args_are_accepted_by_the_grpo_operator_command(chart: Chart, scenario: str) -> None:
+    from grpo_operator.cli import operator
+
+    (container,) = pod_template(one(chart.render(SCENARIOS[scenario]), "Deployment"))["spec"]["containers"]
+    params = operator.make_context("operator", list(container["args"])).params
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert (params["liveness_port"], params["metrics_port"]) == (ports["liveness"], ports["metrics"])
+    watch = SCENARIOS[scenario].get("watch", {})
+    if watch.get("mode") == "cluster":
+        assert params["all_namespaces"] and not params["namespaces"]
+    else:
+        assert params["namespaces"] == tuple(watch.get("namespaces") or [RELEASE_NAMESPACE])
+        assert not params["all_namespaces"]
+    assert params["standalone"], "one replica runs without kopf peering"
 
 
 def test_cluster_mode_watches_all_namespaces(chart: Chart) -> None:
@@ -225,9 +244,9 @@ def test_rendered_rbac_is_exactly_what_rbac_py_renders(chart: Chart, scenario: s
 def test_namespaced_mode_grants_namespaced_rules_only_in_watched_namespaces(chart: Chart) -> None:
     docs = chart.render(SCENARIOS["namespaced-two-namespaces"])
     roles = find(docs, "Role")
-    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["chart-team-a", "chart-team-b"]
     bindings = find(docs, "RoleBinding")
-    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["chart-team-a", "chart-team-b"]
     for binding in bindings:
         assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": FULLNAME}
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": FULLNAME, "namespace": RELEASE_NAMESPACE}]
@@ -287,7 +306,7 @@ def test_pod_monitors_select_the_pods_the_operator_builds(chart: Chart, componen
     # The run label the relabeling copies into `grporun` is the one the builders set.
     relabel = monitor["spec"]["podMetricsEndpoints"][0]["relabelings"][1]
     label = relabel["sourceLabels"][0].removeprefix("__meta_kubernetes_pod_label_")
-    sanitized = {k.replace(".", "_").replace("/", "_").replace("-", "_"): v for k, v in pod["metadata"]["labels"].items()}
+    sanitized = {re.sub(r"[^A-Za-z0-9_]", "_", k): v for k, v in pod["metadata"]["labels"].items()}
     assert sanitized[label] == run.metadata.name
 
 
@@ -302,7 +321,7 @@ def test_dashboards_are_config_maps_for_the_grafana_sidecar(chart: Chart) -> Non
     files = sorted(p.stem for p in (CHART / "dashboards").glob("*.json"))
     assert len(files) >= 3
     assert sorted(key.removesuffix(".json") for m in maps for key in m["data"]) == files
-    assert {m["metadata"]["namespace"] for m in maps} == {"monitoring"}
+    assert {m["metadata"]["namespace"] for m in maps} == {"chart-monitoring"}
 
 
 # -------------------------------------------------------------------------------------- network policy
@@ -330,6 +349,18 @@ def test_network_policy_admits_only_trainers_operator_and_scrapers_to_servers(ch
 
 def test_network_policy_goes_to_every_watched_namespace(chart: Chart) -> None:
     docs = chart.render(SCENARIOS["namespaced-two-namespaces"])
-    assert sorted(p["metadata"]["namespace"] for p in find(docs, "NetworkPolicy")) == ["team-a", "team-b"]
+    assert sorted(p["metadata"]["namespace"] for p in find(docs, "NetworkPolicy")) == ["chart-team-a", "chart-team-b"]
     docs = chart.render(SCENARIOS["cluster-wide"])
-    assert [p["metadata"]["namespace"] for p in find(docs, "NetworkPolicy")] == ["team-a"]
+    assert [p["metadata"]["namespace"] for p in find(docs, "NetworkPolicy")] == ["chart-team-a"]
+
+
+def test_every_value_is_in_the_schema_and_the_docs() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    docs = (REPO / "docs" / "helm.md").read_text()
+    for key, value in values.items():
+        assert key in schema["properties"], f"values.yaml {key} is not in values.schema.json"
+        assert f"`{key}" in docs, f"docs/helm.md does not document {key}"
+        if isinstance(value, dict) and schema["properties"][key].get("additionalProperties") is False:
+            for sub in value:
+                assert sub in schema["properties"][key]["properties"], f"{key}.{sub} is not in the schema"

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
+
 from grpo_api.models import GROUP, PLURAL, VERSION
 from grpo_api.runconfig import parse_grporun
-
 from tests.fixtures.controlplane import ControlPlane
 from tests.unit.test_api_models import INVALID_SPECS, Invalid, run_with, valid_run
 
@@ -76,7 +76,7 @@ def test_kubectl_get_shows_the_printer_columns(control_plane: ControlPlane, grpo
 
 @pytest.mark.parametrize(
     "spec_patch",
-    [{}, {"server": {}}, {"mode": "colocate"},
+    [{}, {"server": {}}, {"mode": "colocate", "trainer": {"lora": {"r": 128}}},
      {"server": {"maxLoraRank": 128, "port": 8100}, "trainer": {"lora": {"r": 128}, "numGenerations": 4}},
      {"storage": {"existingClaim": "shared"}}],
     ids=["minimal", "server-section", "colocate", "custom", "existing-claim"],

@@ -69,9 +69,9 @@ def operator_kubeconfig(control_plane: ControlPlane, grporun_crd: dict[str, Any]
 
 @dataclass
 class OperatorProcess:
-    """One `grpo operator` subprocess watching one namespace."""
+    """One `grpo operator` subprocess watching one namespace (or all of them when namespace is None)."""
 
-    namespace: str
+    namespace: str | None
     kubeconfig: Path
     log_path: Path
     metrics_port: int = field(default_factory=free_port)
@@ -85,7 +85,8 @@ class OperatorProcess:
         with self.log_path.open("ab") as log:
             log.write(f"\n===== start {self.starts + 1} =====\n".encode())
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "grpo_cli.main", "operator", "--namespace", self.namespace,
+                [sys.executable, "-m", "grpo_cli.main", "operator",
+                 *(["--namespace", self.namespace] if self.namespace else ["--all-namespaces"]),
                  "--allow-server-url-override", "--reconcile-interval", str(RECONCILE_INTERVAL),
                  "--metrics-port", str(self.metrics_port), "--liveness-port", str(self.liveness_port),
                  "--verbose", *self.extra_args],
@@ -158,6 +159,8 @@ def operator(
         op.stop()
         if os.environ.get("GRPO_SHOW_OPERATOR_LOG"):
             print(op.log_tail(20000))
+    forbidden = op.forbidden_lines()
+    assert not forbidden, "the operator lacked a permission (grpo_operator.rbac):\n" + "\n".join(forbidden[:5])
 
 
 # ---------------------------------------------------------------------------------------------- kube

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.fixtures.controlplane import wait_for
+from tests.fixtures.controlplane import ControlPlane, wait_for
 from tests.operator.conftest import Kube, OperatorProcess
 
 pytestmark = pytest.mark.controlplane
@@ -90,3 +91,18 @@ def test_run_name_that_cannot_name_children_fails_with_invalid_spec(operator: Op
     status = kube.wait_phase("9-starts-with-a-digit", "Failed", reason="InvalidSpec")
     assert "metadata.name" in status["message"]
     assert kube.deployment("9-starts-with-a-digit-server") is None
+
+
+def test_cluster_wide_operator_reconciles_runs_in_any_namespace(
+    control_plane: ControlPlane, operator_kubeconfig: Path, kube: Kube, tmp_path: Path
+) -> None:
+    cluster_wide = OperatorProcess(namespace=None, kubeconfig=operator_kubeconfig, log_path=tmp_path / "op.log")
+    cluster_wide.start()
+    try:
+        kube.create_run("anywhere", server_url=UNREACHABLE)
+        kube.wait_phase("anywhere", "StartingServer", reason="ServerStarting")
+        assert kube.deployment("anywhere-server") is not None
+    finally:
+        control_plane.kubectl("delete", "grporuns", "--all", "-n", kube.namespace, "--wait=true", "--timeout=60s")
+        cluster_wide.stop()
+    assert cluster_wide.forbidden_lines() == []

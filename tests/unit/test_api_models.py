@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+
 from grpo_api.models import VLLM_LORA_RANKS, GRPORun
 from grpo_api.runconfig import RunConfigError, parse_grporun
 
@@ -65,7 +66,7 @@ INVALID_SPECS: list[Invalid] = [
     Invalid("numGenerations-not-an-integer", {"trainer": {"numGenerations": "eight"}},
             "spec.trainer.numGenerations", "must be of type integer",
             "spec.trainer.numGenerations", "valid integer"),
-    Invalid("rewards-not-a-list", {"rewards": {"function": "exact_match"}},
+    Invalid("rewards-not-a-list", {"rewards": "exact_match"},
             "spec.rewards", "must be of type array", "spec.rewards", "valid list"),
     Invalid("suspend-not-a-boolean", {"runPolicy": {"suspend": "later"}},
             "spec.runPolicy.suspend", "must be of type boolean", "spec.runPolicy.suspend", "valid boolean"),
@@ -163,8 +164,9 @@ def test_every_vllm_rank_is_accepted_when_the_server_allows_it() -> None:
         assert parse_grporun(doc, "run.yaml").spec.trainer.lora.r == rank
 
 
-def test_colocate_mode_without_server_is_accepted() -> None:
-    assert parse_grporun(run_with({"mode": "colocate"}), "run.yaml").spec.mode == "colocate"
+def test_colocate_mode_without_server_is_accepted_with_any_vllm_rank() -> None:
+    run = parse_grporun(run_with({"mode": "colocate", "trainer": {"lora": {"r": 128}}}), "run.yaml")
+    assert run.spec.mode == "colocate" and run.spec.trainer.lora.r == 128
 
 
 @pytest.mark.parametrize("case", INVALID_SPECS, ids=lambda c: c.id)

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from grpo_api.models import GRPORun
 from grpo_api.runconfig import RunConfig
 from grpo_operator import builders as b

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+
 from grpo_api.lifecycle import (
     CreateTrainer,
     Decision,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -98,7 +99,8 @@ class TransformersEngine:
         else:
             dtype = torch.float32 if self._device.type == "cpu" else "auto"
         model = AutoModelForCausalLM.from_pretrained(self._model_dir, dtype=dtype)
-        model.to(self._device).eval()
+        model.to(self._device)  # type: ignore[arg-type]  # transformers' stub types .to() oddly
+        model.eval()
         self._model = model
         eos: set[int] = set()
         configured = model.generation_config.eos_token_id
@@ -142,7 +144,10 @@ class TransformersEngine:
         if adapter.name in self._adapters:
             raise AdapterLoadError(f"adapter {adapter.name} is already loaded")
         try:
-            self._model.load_adapter(adapter.path, adapter_name=adapter.name)
+            with warnings.catch_warnings():
+                # PEFT warns on every adapter after the first: several adapters per model is the point here
+                warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+                self._model.load_adapter(adapter.path, adapter_name=adapter.name)
         except Exception as exc:
             self._drop_partial(adapter.name)
             raise AdapterLoadError(f"{adapter.path}: {type(exc).__name__}: {exc}") from exc

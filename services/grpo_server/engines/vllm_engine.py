@@ -133,15 +133,13 @@ class VllmEngine:
         lora = LoRARequest(adapter.name, adapter.int_id, adapter.path) if adapter is not None else None
         batch = uuid.uuid4().hex
         try:
-            async with asyncio.TaskGroup() as group:
+            async with asyncio.TaskGroup() as group:  # one failure cancels (and so aborts) the siblings
                 tasks = [
                     group.create_task(self._one(ids, params, f"grpo-{batch}-{i}", lora))
                     for i, ids in enumerate(prompts)
                 ]
-        except* EngineDeadError as eg:
-            raise EngineError("vLLM engine is dead") from eg.exceptions[0]
-        except* ValueError as eg:  # vLLM's validation errors subclass ValueError
-            raise InvalidRequestError(str(eg.exceptions[0])) from eg.exceptions[0]
+        except ExceptionGroup as group_error:
+            raise _as_engine_error(group_error.exceptions[0]) from group_error
         return [task.result() for task in tasks]
 
     async def _one(
@@ -184,6 +182,15 @@ class VllmEngine:
             )
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from exc
+
+
+def _as_engine_error(exc: BaseException) -> Exception:
+    """vLLM's request validation errors are the client's fault (400); anything else is the engine's (503)."""
+    if isinstance(exc, EngineDeadError):
+        return EngineError("vLLM engine is dead")
+    if isinstance(exc, (ValueError, TypeError)) or type(exc).__name__ in ("VLLMValidationError", "VLLMClientError"):
+        return InvalidRequestError(str(exc))
+    return EngineError(f"{type(exc).__name__}: {exc}")
 
 
 def _completion(output: Any) -> Completion:

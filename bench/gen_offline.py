@@ -1,0 +1,166 @@
+"""Generation baselines on the GPU: vLLM `LLM.generate` variants and HF `generate`.
+
+Where does the logprobs cost come from? The same engine (enable_lora, processed
+logprobs) runs the GRPO-shaped workload plain, with `logprobs=0`, and with the
+settings that avoid per-token Python objects in the frontend (`flat_logprobs`,
+`detokenize=False`), with and without a LoRA adapter. For each run it records
+tokens/s and the CPU seconds of the frontend process: a frontend that burns as
+much CPU as the wall time is the bottleneck, not the GPU.
+
+    python bench/gen_offline.py --model MODEL_DIR --out $OUT/gen_offline.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workload import Workload, dump, figure, grpo_shaped, machine  # noqa: E402
+
+
+def make_adapter(model_dir: Path, out_dir: Path, rank: int = 32, seed: int = 0) -> Path:
+    """A random r=`rank` all-linear LoRA adapter saved by PEFT (both A and B random, so it changes outputs)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    if (out_dir / "adapter_config.json").is_file():
+        return out_dir
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    for name, param in peft_model.named_parameters():
+        if "lora_B" in name:
+            param.data.mul_(0.01)  # small: a plausible trained adapter, not noise that swamps the base
+    peft_model.save_pretrained(out_dir)
+    del peft_model, model
+    gc.collect()
+    return out_dir
+
+
+def run_llm(llm: Any, work: Workload, *, logprobs: int | None, flat: bool, detokenize: bool,
+            lora: Any | None) -> dict[str, float]:
+    from vllm import SamplingParams, TokensPrompt
+
+    params = [
+        SamplingParams(n=work.n, temperature=1.0, max_tokens=m, ignore_eos=True, seed=i, logprobs=logprobs,
+                       flat_logprobs=flat, detokenize=detokenize)
+        for i, m in enumerate(work.max_tokens)
+    ]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in work.prompts]
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    outputs = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    if logprobs is not None:
+        got = sum(len(c.logprobs or []) for o in outputs for c in o.outputs)
+        assert got == tokens, f"expected a logprob per token, got {got} for {tokens}"
+    return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "frontend_cpu_s": cpu}
+
+
+def hf_generate(model_dir: Path, work: Workload) -> dict[str, float]:
+    """HF generate, padded batch that runs to its longest completion; useful tokens = assigned lengths."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    width = max(len(p) for p in work.prompts)
+    ids = torch.zeros((len(work.prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(work.prompts):  # left padding
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids.cuda(), attention_mask=mask.cuda(), do_sample=True, temperature=1.0, top_k=0,
+            max_new_tokens=max(work.max_tokens), min_new_tokens=max(work.max_tokens),
+            num_return_sequences=work.n, pad_token_id=0,
+        )
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    generated = (out.shape[1] - width) * out.shape[0]
+    useful = work.completion_tokens
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"tokens": useful, "generated_padded": generated, "seconds": wall, "tokens_per_s": useful / wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--adapter-dir", type=Path, default=Path("/tmp/bench-adapter-r32"))
+    parser.add_argument("--hf-prompts", type=int, default=8, help="prompts for the (slow) HF baseline")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    args = parser.parse_args()
+
+    from vllm import LLM
+    from vllm.lora.request import LoRARequest
+
+    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
+    work = grpo_shaped(vocab)
+    adapter = make_adapter(args.model, args.adapter_dir)
+    llm = LLM(
+        model=str(args.model), dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=32,
+        logprobs_mode="processed_logprobs", gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=2048, seed=0,
+    )
+    lora = LoRARequest("bench-v1", 1, str(adapter))
+    warm = work.subset(8)
+    run_llm(llm, warm, logprobs=None, flat=False, detokenize=True, lora=None)
+    run_llm(llm, warm, logprobs=0, flat=True, detokenize=False, lora=lora)
+
+    runs: dict[str, dict[str, float]] = {}
+    variants = [
+        ("plain", None, False, True, None),
+        ("logprobs=0", 0, False, True, None),
+        ("logprobs=0 flat_logprobs", 0, True, True, None),
+        ("logprobs=0 detokenize=False", 0, False, False, None),
+        ("logprobs=0 flat_logprobs detokenize=False", 0, True, False, None),
+        ("lora plain", None, False, True, lora),
+        ("lora logprobs=0", 0, False, True, lora),
+        ("lora logprobs=0 flat_logprobs detokenize=False", 0, True, False, lora),
+    ]
+    for name, logprobs, flat, detok, req in variants:
+        runs[name] = run_llm(llm, work, logprobs=logprobs, flat=flat, detokenize=detok, lora=req)
+        print(name, json.dumps(runs[name]), flush=True)
+    del llm
+    gc.collect()
+    runs["hf generate"] = hf_generate(args.model, work.subset(args.hf_prompts))
+    print("hf generate", json.dumps(runs["hf generate"]), flush=True)
+
+    base = runs["plain"]["tokens_per_s"]
+    figures = [
+        figure(f"LLM.generate {name}", r["tokens_per_s"], "tokens/s", baseline="LLM.generate plain", baseline_value=base)
+        for name, r in runs.items() if name != "hf generate"
+    ]
+    figures.append(figure("HF generate (useful tokens)", runs["hf generate"]["tokens_per_s"], "tokens/s",
+                          baseline="LLM.generate plain", baseline_value=base))
+    figures += [
+        figure(f"frontend CPU share, {name}", r["frontend_cpu_s"] / r["seconds"], "CPU s / wall s")
+        for name, r in runs.items() if "frontend_cpu_s" in r
+    ]
+    dump(args.out, {
+        "benchmark": "generation baselines (vLLM LLM.generate variants, HF generate)",
+        "command": f"python bench/gen_offline.py --model {args.model} --out $OUT/gen_offline.json",
+        "machine": machine(), "date": dt.date.today().isoformat(),
+        "workload": f"{len(work.prompts)} prompts × n={work.n}, prompts 64–512 tokens, completions 64–1024",
+        "runs": runs, "figures": figures,
+        "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")},
+    })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Many runs at once, and what the operator exposes about itself (metrics, liveness)."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from grpo_operator.metrics import METRIC_NAMES
+from tests.fixtures.controlplane import wait_for
+from tests.operator.conftest import Kube, OperatorProcess
+
+pytestmark = pytest.mark.controlplane
+
+RUNS = 50
+#: Provisioning (ConfigMap, Secret, PVC, Service, Deployment), two status writes and their two
+#: events is 9 requests per run; a little slack for refreshing a stale cached run.
+MAX_REQUESTS_PER_RUN = 12
+
+
+def test_fifty_runs_created_at_once_all_reach_waiting_for_server(
+    operator: OperatorProcess, kube: Kube, capsys: pytest.CaptureFixture[str]
+) -> None:
+    requests_before = operator.metric_sum("grpo_operator_api_requests_total")
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(lambda i: kube.create_run(f"run-{i:03d}"), range(RUNS)))
+    created = time.monotonic() - started
+
+    def all_waiting() -> bool:
+        runs = kube.custom.list_namespaced_custom_object("grpo.dev", "v1alpha1", kube.namespace, "grporuns")
+        waiting = [r for r in runs["items"]
+                   if (r.get("status") or {}).get("phase") == "StartingServer"
+                   and r["status"].get("reason") == "ServerStarting"]
+        return len(waiting) == RUNS
+
+    wait_for(all_waiting, timeout=180, interval=0.2, what=f"all {RUNS} runs to wait for their server")
+    elapsed = time.monotonic() - started
+    time.sleep(3)  # quiet reconciles of waiting runs must cost no requests
+    requests = operator.metric_sum("grpo_operator_api_requests_total") - requests_before
+    deployments = kube.apps.list_namespaced_deployment(kube.namespace).items
+    assert len(deployments) == RUNS
+    reconciles = operator.metric_sum("grpo_operator_reconcile_duration_seconds_count")
+    result = {
+        "runs": RUNS,
+        "reconcile_seconds_mean": round(
+            operator.metric_sum("grpo_operator_reconcile_duration_seconds_sum") / max(reconciles, 1), 3),
+        "seconds_to_create_runs": round(created, 2),
+        "seconds_until_all_waiting_for_server": round(elapsed, 2),
+        "operator_api_requests_per_run": round(requests / RUNS, 2),
+    }
+    with capsys.disabled():
+        print(f"\n[operator-scale] {json.dumps(result)}")
+    assert requests / RUNS <= MAX_REQUESTS_PER_RUN, result
+
+
+def test_metrics_and_liveness_endpoints_report_the_operator(operator: OperatorProcess, kube: Kube) -> None:
+    kube.create_run("observed", server_url="http://127.0.0.1:9",
+                    runPolicy={"backoffLimit": 0, "serverReadyTimeoutSeconds": 2})
+    kube.wait_phase("observed", "Failed", reason="ServerNotReady", timeout=30)
+    text = operator.metrics_text()
+    for name in METRIC_NAMES:
+        assert f"# TYPE {name} " in text, f"{name} missing from /metrics"
+    assert operator.metric_sum("grpo_operator_attempts_total") >= 1
+    assert 'grpo_operator_failures_total{reason="ServerNotReady"} 1.0' in text
+    assert 'grpo_operator_runs{phase="Failed"} 1.0' in text
+
+    probe = httpx.get(f"http://127.0.0.1:{operator.liveness_port}/healthz", timeout=5)
+    assert probe.status_code == 200
+    age = probe.json()["secondsSinceLastReconcile"]
+    assert 0 <= age < 30

@@ -1,0 +1,352 @@
+"""The adapter load trigger over HTTP: our payload and Axolotl's, every refusal, eviction, selection."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from grpo_api.protocol import ADAPTER_VERSION_HEADER, SetAdapterResponse
+from tests.fixtures.server import RunningServer, start_server
+from tests.server.adapters import LoraMaker, edit_config, publish_dir
+
+MAX_RANK = 8
+MAX_LORAS = 2
+
+
+@pytest.fixture(scope="module")
+def server(served_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    running = start_server(tmp_path_factory.mktemp("adapter-server"), served_model_dir,
+                           server_overrides={"maxLoraRank": MAX_RANK, "maxLoras": MAX_LORAS})
+    yield running
+    running.stop(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def maker(served_model_dir: Path) -> LoraMaker:
+    return LoraMaker(served_model_dir)
+
+
+class Versions:
+    """Hands out fresh version numbers so tests sharing the server never collide."""
+
+    def __init__(self) -> None:
+        self.last = 100
+
+    def __call__(self) -> int:
+        self.last += 1
+        return self.last
+
+
+@pytest.fixture(scope="module")
+def next_version() -> Versions:
+    return Versions()
+
+
+def trigger(server: RunningServer, body: dict[str, Any], auth: bool = True) -> httpx.Response:
+    return httpx.post(server.url + "/set_lora_adapter/", json=body, headers=server.auth if auth else {}, timeout=120)
+
+
+def ours(path: Path | str, version: int, digest: str | None) -> dict[str, Any]:
+    return {"path": str(path), "version": version, "sha256": digest}
+
+
+def complete(server: RunningServer, model: str | None = None, seed: int = 5) -> httpx.Response:
+    body: dict[str, Any] = {"prompt": [[5, 6, 7, 8], [50, 60]], "max_tokens": 8, "temperature": 0.0,
+                            "ignore_eos": True, "return_token_ids": True, "seed": seed}
+    if model is not None:
+        body["model"] = model
+    return httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+
+
+def token_ids(response: httpx.Response) -> list[list[int]]:
+    return [choice["token_ids"] for choice in response.json()["choices"]]
+
+
+def active_version(server: RunningServer) -> int | None:
+    adapter = server.health()["adapter"]
+    return adapter["version"] if adapter else None
+
+
+@pytest.fixture
+def loaded(server: RunningServer, maker: LoraMaker, next_version: Versions) -> int:
+    """A freshly published and activated version (the 'previous adapter' refusals must keep)."""
+    version = next_version()
+    path, digest = maker.publish(server.adapter_root, version, seed=version)
+    assert trigger(server, ours(path, version, digest)).status_code == 200
+    return version
+
+
+# ------------------------------------------------------------------------------------------ success
+
+
+def test_our_payload_loads_before_answering_and_tags_generations(server, maker, next_version):
+    version = next_version()
+    path, digest = maker.publish(server.adapter_root, version, seed=1)
+    response = trigger(server, ours(path, version, digest))
+    assert response.status_code == 200, response.text
+    answer = SetAdapterResponse.model_validate(response.json())
+    assert answer.adapter.name == f"policy-v{version}" and answer.adapter.version == version
+    assert answer.adapter.sha256 == digest and answer.adapter.path == str(path.resolve())
+    assert answer.load_seconds > 0 and answer.boot_id == server.health()["boot_id"]
+    assert server.health()["adapter"]["version"] == version
+    generated = complete(server)
+    assert generated.headers[ADAPTER_VERSION_HEADER] == str(version)
+    assert generated.json()["adapter_version"] == version
+    ids = [card["id"] for card in httpx.get(server.url + "/v1/models").json()["data"]]
+    assert f"policy-v{version}" in ids
+
+
+def test_generations_really_run_on_the_selected_adapter(server, loaded):
+    active = token_ids(complete(server))
+    by_name = complete(server, f"policy-v{loaded}")
+    base = complete(server, "tiny:base")
+    assert by_name.json()["adapter_version"] == loaded
+    assert token_ids(by_name) == active
+    assert base.headers[ADAPTER_VERSION_HEADER] == "none" and base.json()["adapter_version"] is None
+    assert token_ids(base) != active
+
+
+def test_relative_paths_resolve_inside_the_adapter_root(server, maker, next_version):
+    version = next_version()
+    _, digest = maker.publish(server.adapter_root, version, seed=2)
+    response = trigger(server, ours(f"v{version}", version, digest))
+    assert response.status_code == 200, response.text
+
+
+def test_axolotl_payload_loads_with_a_version_from_the_counter(server, maker, next_version):
+    before = active_version(server) or 0
+    path = maker.save(server.adapter_root / "axolotl-sync" / "v1", seed=3)
+    response = trigger(server, {"lora_name": "active_lora", "lora_int_id": 1, "lora_path": str(path)})
+    assert response.status_code == 200, response.text
+    adapter = response.json()["adapter"]
+    assert adapter["version"] > before and adapter["name"] == f"policy-v{adapter['version']}"
+    assert adapter["sha256"] is None
+    assert complete(server).json()["adapter_version"] == adapter["version"]
+    next_version.last = max(next_version.last, adapter["version"])  # that version number is now taken
+
+
+def test_retrigger_of_the_same_version_is_idempotent_and_other_contents_are_refused(server, maker, loaded):
+    path = server.adapter_root / f"v{loaded}"
+    digest = json.loads(trigger(server, ours(path, loaded, None)).text)  # no sha256: refused
+    assert digest["error"] == "adapter_checksum_mismatch"
+    from grpo_api.adapters import read_manifest
+
+    same = trigger(server, ours(path, loaded, read_manifest(path).digest()))
+    assert same.status_code == 200 and same.json()["adapter"]["version"] == loaded
+    shutil.rmtree(path)
+    _, other_digest = maker.publish(server.adapter_root, loaded, seed=999)
+    clash = trigger(server, ours(path, loaded, other_digest))
+    assert clash.status_code == 409 and clash.json()["error"] == "adapter_checksum_mismatch"
+    assert "publish a new version" in clash.json()["message"]
+
+
+def test_clear_returns_to_the_base_model(server, loaded):
+    base = token_ids(complete(server, "tiny:base"))
+    cleared = httpx.post(server.url + "/clear_lora_adapter/", headers=server.auth, timeout=30)
+    assert cleared.status_code == 200 and cleared.json()["adapter"] is None
+    assert server.health()["adapter"] is None
+    response = complete(server)
+    assert response.json()["adapter_version"] is None and token_ids(response) == base
+    assert complete(server, f"policy-v{loaded}").status_code == 200  # still loaded, selectable by name
+
+
+def test_at_most_max_loras_versions_stay_loaded_oldest_evicted(server, maker, next_version):
+    versions = [next_version() for _ in range(MAX_LORAS + 2)]
+    for version in versions:
+        path, digest = maker.publish(server.adapter_root, version, seed=version)
+        assert trigger(server, ours(path, version, digest)).status_code == 200
+    ids = [card["id"] for card in httpx.get(server.url + "/v1/models").json()["data"]]
+    policy_ids = [i for i in ids if i.startswith("policy-v")]
+    assert policy_ids == [f"policy-v{v}" for v in versions[-MAX_LORAS:]]
+    evicted = complete(server, f"policy-v{versions[0]}")
+    assert evicted.status_code == 404 and evicted.json()["error"] == "model_not_found"
+    assert "grpo_server_loaded_adapters 2.0" in httpx.get(server.url + "/metrics").text
+
+
+# ------------------------------------------------------------------------------------------ refusals
+
+
+def prepare_outside_root(server, maker, version, tmp):
+    outside = maker.save(tmp / "elsewhere", seed=1)
+    return ours(outside, version, None)
+
+
+def prepare_dotdot(server, maker, version, tmp):
+    maker.save(server.adapter_root.parent / f"sibling-{version}", seed=1)
+    return ours(server.adapter_root / ".." / f"sibling-{version}", version, None)
+
+
+def prepare_symlink(server, maker, version, tmp):
+    outside = maker.save(tmp / "target", seed=1)
+    link = server.adapter_root / f"link-{version}"
+    link.symlink_to(outside, target_is_directory=True)
+    return ours(link, version, None)
+
+
+def prepare_missing_dir(server, maker, version, tmp):
+    return ours(server.adapter_root / f"v{version}", version, "0" * 64)
+
+
+def prepare_missing_config(server, maker, version, tmp):
+    staging = maker.save(server.adapter_root / f".tmp-{version}", seed=1)
+    (staging / "adapter_config.json").unlink()
+    path, digest = publish_dir(staging, server.adapter_root, version, maker.fingerprint)
+    return ours(path, version, digest)
+
+
+def prepare_malformed_config(server, maker, version, tmp):
+    staging = maker.save(server.adapter_root / f".tmp-{version}", seed=1)
+    (staging / "adapter_config.json").write_text("{not json")
+    path, digest = publish_dir(staging, server.adapter_root, version, maker.fingerprint)
+    return ours(path, version, digest)
+
+
+def prepare_other_base_manifest(server, maker, version, tmp):
+    path, digest = maker.publish(server.adapter_root, version, seed=1, fingerprint="sha256:" + "0" * 32)
+    return ours(path, version, digest)
+
+
+def prepare_other_base_axolotl(server, maker, version, tmp):
+    other = tmp / "other-model"
+    other.mkdir()
+    config = json.loads((maker.model_dir / "config.json").read_text())
+    config["num_hidden_layers"] = 7
+    (other / "config.json").write_text(json.dumps(config))
+    path = maker.save(server.adapter_root / f"axo-{version}", seed=1)
+    edit_config(path, base_model_name_or_path=str(other))
+    return {"lora_name": "x", "lora_int_id": 5, "lora_path": str(path)}
+
+
+def prepare_rank_too_large(server, maker, version, tmp):
+    path, digest = maker.publish(server.adapter_root, version, seed=1, r=2 * MAX_RANK)
+    return ours(path, version, digest)
+
+
+def prepare_modules_to_save(server, maker, version, tmp):
+    path, digest = maker.publish(server.adapter_root, version, seed=1, modules_to_save=["lm_head"])
+    return ours(path, version, digest)
+
+
+def prepare_dora(server, maker, version, tmp):
+    path, digest = maker.publish(server.adapter_root, version, seed=1, use_dora=True)
+    return ours(path, version, digest)
+
+
+def prepare_bias(server, maker, version, tmp):
+    path, digest = maker.publish(server.adapter_root, version, seed=1, bias="all")
+    return ours(path, version, digest)
+
+
+def prepare_lm_head_target(server, maker, version, tmp):
+    path, digest = maker.publish(server.adapter_root, version, seed=1, target_modules=["q_proj", "lm_head"])
+    return ours(path, version, digest)
+
+
+def prepare_embedding_target(server, maker, version, tmp):
+    path, digest = maker.publish(server.adapter_root, version, seed=1, target_modules=["embed_tokens", "v_proj"])
+    return ours(path, version, digest)
+
+
+def prepare_tampered_file(server, maker, version, tmp):
+    path, digest = maker.publish(server.adapter_root, version, seed=1)
+    with (path / "adapter_model.safetensors").open("ab") as f:
+        f.write(b"\0")
+    return ours(path, version, digest)
+
+
+def prepare_extra_file(server, maker, version, tmp):
+    path, digest = maker.publish(server.adapter_root, version, seed=1)
+    (path / "injected.py").write_text("print('hi')")
+    return ours(path, version, digest)
+
+
+def prepare_wrong_sha(server, maker, version, tmp):
+    path, _ = maker.publish(server.adapter_root, version, seed=1)
+    return ours(path, version, "f" * 64)
+
+
+def prepare_no_manifest(server, maker, version, tmp):
+    path = maker.save(server.adapter_root / f"v{version}", seed=1)
+    return ours(path, version, "f" * 64)
+
+
+def prepare_manifest_of_another_version(server, maker, version, tmp):
+    path, digest = maker.publish(server.adapter_root, version, seed=1)
+    moved = server.adapter_root / f"v{version + 1000}"
+    os.rename(path, moved)
+    return ours(moved, version + 1000, digest)
+
+
+def prepare_engine_cannot_load(server, maker, version, tmp):
+    staging = maker.save(server.adapter_root / f".tmp-{version}", seed=1)
+    edit_config(staging, target_modules=["no_such_proj"])
+    path, digest = publish_dir(staging, server.adapter_root, version, maker.fingerprint)
+    return ours(path, version, digest)
+
+
+REFUSALS: list[tuple[str, Callable[..., dict[str, Any]], int, str]] = [
+    ("absolute path outside the root", prepare_outside_root, 403, "adapter_outside_root"),
+    ("dot-dot escape", prepare_dotdot, 403, "adapter_outside_root"),
+    ("symlink out of the root", prepare_symlink, 403, "adapter_outside_root"),
+    ("missing directory", prepare_missing_dir, 404, "adapter_missing"),
+    ("missing adapter_config.json", prepare_missing_config, 422, "adapter_config_invalid"),
+    ("malformed adapter_config.json", prepare_malformed_config, 422, "adapter_config_invalid"),
+    ("manifest of another base model", prepare_other_base_manifest, 409, "adapter_base_model_mismatch"),
+    ("axolotl adapter of another base model", prepare_other_base_axolotl, 409, "adapter_base_model_mismatch"),
+    ("rank above maxLoraRank", prepare_rank_too_large, 422, "adapter_rank_too_large"),
+    ("modules_to_save", prepare_modules_to_save, 422, "adapter_unsupported"),
+    ("DoRA", prepare_dora, 422, "adapter_unsupported"),
+    ("bias", prepare_bias, 422, "adapter_unsupported"),
+    ("lm_head target", prepare_lm_head_target, 422, "adapter_unsupported"),
+    ("embedding target", prepare_embedding_target, 422, "adapter_unsupported"),
+    ("file changed after publication", prepare_tampered_file, 409, "adapter_checksum_mismatch"),
+    ("file not in the manifest", prepare_extra_file, 409, "adapter_checksum_mismatch"),
+    ("sha256 not the manifest digest", prepare_wrong_sha, 409, "adapter_checksum_mismatch"),
+    ("manifest missing", prepare_no_manifest, 409, "adapter_checksum_mismatch"),
+    ("manifest of another version", prepare_manifest_of_another_version, 422, "adapter_config_invalid"),
+    ("engine cannot load it", prepare_engine_cannot_load, 422, "adapter_load_failed"),
+]
+
+
+@pytest.mark.parametrize(("case", "prepare", "status", "reason"), REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_refused_adapters_get_4xx_with_the_reason_and_the_previous_adapter_stays(
+    server, maker, next_version, loaded, tmp_path, case, prepare, status, reason
+):
+    before = token_ids(complete(server))
+    body = prepare(server, maker, next_version(), tmp_path)
+    response = trigger(server, body)
+    assert response.status_code == status, response.text
+    error = response.json()
+    assert error["error"] == reason and error["message"]
+    assert active_version(server) == loaded
+    after = complete(server)
+    assert after.status_code == 200 and after.json()["adapter_version"] == loaded
+    assert token_ids(after) == before
+    metrics = httpx.get(server.url + "/metrics").text
+    assert f'grpo_server_adapter_load_failures_total{{reason="{reason}"}}' in metrics
+
+
+def test_trigger_payloads_must_be_one_form_with_a_version(server):
+    both = trigger(server, {"path": "v1", "version": 1, "sha256": "x", "lora_path": "v1"})
+    neither = trigger(server, {"lora_name": "x"})
+    no_version = trigger(server, {"path": "v1", "sha256": "x"})
+    bad_version = trigger(server, {"path": "v1", "version": 0, "sha256": "x"})
+    for response in (both, neither, no_version, bad_version):
+        assert response.status_code == 400 and response.json()["error"] == "invalid_request"
+
+
+def test_trigger_without_token_is_401_and_loads_nothing(server, maker, next_version, loaded):
+    version = next_version()
+    path, digest = maker.publish(server.adapter_root, version, seed=1)
+    assert trigger(server, ours(path, version, digest), auth=False).status_code == 401
+    wrong = httpx.post(server.url + "/set_lora_adapter/", json=ours(path, version, digest), timeout=30,
+                       headers={"Authorization": "Bearer wrong"})
+    assert wrong.status_code == 401
+    assert active_version(server) == loaded

@@ -1,0 +1,103 @@
+"""Pure parts of generation: the prefetch schedule, the prefetch queue, and which answers may reach the loss."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from trl.trainer.utils import RepeatSampler
+
+from grpo_trainer.client import Completions, ServerClient
+from grpo_trainer.generation import GenerationBackend, Prefetcher, generation_batches, staleness_bound
+from grpo_trainer.metrics import TrainerMetrics
+from grpo_trainer.publish import AdapterStore, PublishedAdapter
+from grpo_trainer.sync import AdapterSync
+
+
+def test_generation_batches_follow_trl_repeat_sampler_layout():
+    # 3 prompts per generation batch, 2 generations each, each batch reused for 2 micro-steps.
+    sampler = RepeatSampler(list(range(7)), mini_repeat_count=2, batch_size=3, repeat_count=2, seed=0)
+    stream = list(sampler)
+    batches = generation_batches(stream, chunk=3, mini_repeat=2, repeat=2)
+    assert len(batches) == 2 and all(len(b) == 3 for b in batches)
+    assert stream[:6] == [i for i in batches[0] for _ in range(2)]
+    assert stream[12:18] == [i for i in batches[1] for _ in range(2)]
+
+
+def test_staleness_bound_stays_within_sync_interval_plus_prefetch_depth():
+    assert staleness_bound(1, 0) == 0
+    assert staleness_bound(4, 2) == 5
+    assert all(staleness_bound(k, d) <= k + d for k in range(1, 6) for d in range(0, 4))
+
+
+def completions(tag: int) -> Completions:
+    return Completions([[tag]], [[-0.1]], boot_id="b1", adapter_version=None, seconds=0.01)
+
+
+def test_prefetcher_requests_the_next_batches_ahead_in_order():
+    requested: list[list[list[int]]] = []
+    gate = threading.Event()
+
+    def request(prompt_ids):
+        gate.wait(5)
+        requested.append(prompt_ids)
+        return completions(prompt_ids[0][0])
+
+    schedule = [[0], [1], [2], [3], [4]]
+    prefetcher = Prefetcher(depth=2, request=request, tokenize_rows=lambda rows: [[r * 10] for r in rows])
+    prefetcher.set_schedule(schedule)
+    first = prefetcher.take([[0]])
+    gate.set()
+    assert first.result().completion_ids == [[0]]
+    second = prefetcher.take([[10]])  # prefetched: no new request for it
+    assert second.result().completion_ids == [[10]]
+    assert prefetcher.pending_positions() == [2, 3]
+    prefetcher.take([[20]]).result()
+    assert prefetcher.pending_positions() == [3, 4]
+    prefetcher.close()
+    assert requested[:3] == [[[0]], [[10]], [[20]]]
+
+
+def test_prefetcher_realigns_when_batches_were_skipped_on_resume():
+    requested: list[list[list[int]]] = []
+
+    def request(prompt_ids):
+        requested.append(prompt_ids)
+        return completions(prompt_ids[0][0])
+
+    prefetcher = Prefetcher(depth=1, request=request, tokenize_rows=lambda rows: [[r] for r in rows])
+    prefetcher.set_schedule([[0], [1], [2], [3]])
+    assert prefetcher.take([[2]]).result().completion_ids == [[2]]
+    assert prefetcher.cursor == 3
+    prefetcher.take([[3]]).result()
+    prefetcher.close()
+    assert [[2]] in requested and [[3]] in requested and [[0]] not in requested
+
+
+def backend(tmp_path: Path, step: int, bound: int) -> tuple[GenerationBackend, AdapterSync, AdapterStore]:
+    metrics = TrainerMetrics()
+    store = AdapterStore(tmp_path, "fp")
+    sync = AdapterSync(store, None, metrics, boot_id="b1", retry_seconds=1)
+    client = ServerClient("http://127.0.0.1:9", token=None, generation_timeout=1)
+    gen = GenerationBackend(client, sync, store, metrics, model_name="m", num_generations=1,
+                            bound=bound, seed=0, current_step=lambda: step, republish=lambda: None)
+    return gen, sync, store
+
+
+def answer(boot: str, version: int | None) -> Completions:
+    return Completions([[1]], [[-0.1]], boot_id=boot, adapter_version=version, seconds=0.01)
+
+
+def test_answers_from_a_restarted_server_or_a_stale_adapter_are_refused(tmp_path: Path):
+    gen, sync, store = backend(tmp_path, step=6, bound=1)
+    store._steps.update({1: 2, 2: 4, 3: 6})
+    sync.active = PublishedAdapter(version=3, step=6, path=tmp_path / "v3", sha256="x", size_bytes=1)
+    assert gen.verdict(answer("b1", 3)) is None
+    assert gen.verdict(answer("b2", 3)) == "server_restarted"
+    assert gen.verdict(answer("b1", 2)) == "stale_adapter"  # 2 steps behind, bound 1
+    assert gen.verdict(answer("b1", None)) == "stale_adapter"  # the base model, 6 steps behind
+    assert gen.verdict(answer("b1", 9)) == "unknown_adapter"
+    gen_wide, sync_wide, store_wide = backend(tmp_path, step=6, bound=2)
+    store_wide._steps.update({1: 2, 2: 4, 3: 6})
+    sync_wide.active = sync.active
+    assert gen_wide.verdict(answer("b1", 2)) is None

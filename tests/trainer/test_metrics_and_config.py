@@ -1,0 +1,70 @@
+"""Metric names, the spec -> TRL mapping, and the settings the trainer refuses."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import generate_latest
+from trl import GRPOConfig
+
+from grpo_api.models import GRPORunSpec
+from grpo_trainer.config import Platform, check_supported, grpo_config_kwargs, lora_config_kwargs
+from grpo_trainer.errors import UnsupportedSetting
+from grpo_trainer.metrics import METRIC_NAMES, TrainerMetrics, metrics_port
+
+CPU = Platform(cuda=False, bf16=False, vllm=False, bitsandbytes=False)
+
+
+def spec(**trainer) -> GRPORunSpec:
+    return GRPORunSpec.model_validate({
+        "model": {"name": "m", "path": "/m"},
+        "dataset": {"path": "d.jsonl"},
+        "rewards": [{"function": "exact_match"}],
+        "trainer": trainer,
+    })
+
+
+def test_every_exported_metric_family_is_listed_in_metric_names():
+    metrics = TrainerMetrics()
+    metrics.observe_trl_logs({"reward": 0.5, "rewards/exact_match/mean": 0.5, "clip_ratio/low_mean": 0.0,
+                              "sampling/importance_sampling_ratio/max": 1.2, "kl": float("nan")})
+    metrics.sync_failures.labels("unreachable").inc()
+    metrics.discarded_batches.labels("stale_adapter").inc()
+    text = generate_latest(metrics.registry).decode()
+    exposed = {f"{m.name}_total" if m.type == "counter" else m.name for m in metrics.registry.collect()}
+    assert exposed == set(METRIC_NAMES)
+    assert len(METRIC_NAMES) == len(set(METRIC_NAMES))
+    assert 'grpo_trainer_reward_function_mean{function="exact_match"} 0.5' in text
+    assert 'grpo_trainer_importance_sampling_ratio{stat="max"} 1.2' in text
+
+
+def test_metrics_port_env_overrides_the_spec(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("GRPO_TRAINER_METRICS_PORT", "0")
+    assert metrics_port(9400) == 0
+    monkeypatch.delenv("GRPO_TRAINER_METRICS_PORT")
+    assert metrics_port(9400) == 9400
+
+
+def test_spec_maps_onto_a_grpo_config_trl_accepts():
+    s = spec(importanceSampling={"level": "sequence", "mode": "truncate", "clipMax": 2.0},
+             offPolicyMaskThreshold=0.5, lossType="grpo", ratioLevel="sequence", beta=0.04, topK=-1,
+             checkpointInterval=5)
+    kwargs = grpo_config_kwargs(s, output_dir="/tmp/ck", server_url="http://s:8000", reward_weights=[1.0],
+                                platform=CPU)
+    config = GRPOConfig(**kwargs)
+    assert config.vllm_importance_sampling_mode == "sequence_truncate"
+    assert config.vllm_importance_sampling_clip_max == 2.0
+    assert config.off_policy_mask_threshold == 0.5
+    assert (config.loss_type, config.importance_sampling_level, config.beta) == ("grpo", "sequence", 0.04)
+    assert (config.use_vllm, config.vllm_mode, config.top_k) == (True, "server", 0)
+    assert (config.bf16, config.use_cpu, config.save_steps, config.logging_steps) == (False, True, 5, 1)
+    assert lora_config_kwargs(s.trainer.lora)["target_modules"] == "all-linear"
+
+
+def test_colocate_without_gpu_and_qlora_without_bitsandbytes_are_refused_clearly():
+    colocate = GRPORunSpec.model_validate({**spec().model_dump(by_alias=True, exclude={"server"}),
+                                           "mode": "colocate", "server": None})
+    with pytest.raises(UnsupportedSetting, match=r"spec.mode colocate .* needs a CUDA GPU and vLLM"):
+        check_supported(colocate, CPU)
+    with pytest.raises(UnsupportedSetting, match="quantizeBase"):
+        check_supported(spec(lora={"quantizeBase": True}), CPU)
+    check_supported(spec(), CPU)

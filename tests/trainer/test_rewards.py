@@ -1,0 +1,101 @@
+"""Reward functions: built-ins, user functions by import path, and failures that name the function."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from grpo_api.models import RewardSpec
+from grpo_trainer.errors import RewardFunctionFailed
+from grpo_trainer.rewards import RewardConfigError, RewardContext, build_rewards
+
+CTX = RewardContext(max_completion_length=10, dataset_columns=("prompt", "answer"))
+
+
+def call(func, completions, completion_ids=None, **columns):
+    completion_ids = completion_ids or [[] for _ in completions]
+    return func(prompts=["p"] * len(completions), completions=completions, completion_ids=completion_ids,
+                trainer_state=None, **columns)
+
+
+def build(*specs: dict, paths: list[Path] | None = None):
+    return build_rewards([RewardSpec.model_validate(s) for s in specs], CTX, paths or [])
+
+
+def test_exact_match_compares_with_the_answer_column_plain_and_conversational():
+    (func,), weights = build({"function": "exact_match", "weight": 2.0})
+    assert weights == [2.0]
+    assert call(func, [" cat ", "dog"], answer=["cat", "cat"]) == [1.0, 0.0]
+    chat = [[{"role": "assistant", "content": "cat"}], [{"role": "assistant", "content": "x"}]]
+    assert call(func, chat, answer=["cat", "cat"]) == [1.0, 0.0]
+    assert func.__name__ == "exact_match"
+
+
+def test_exact_match_without_the_column_is_refused_naming_the_field():
+    with pytest.raises(RewardConfigError, match=r"rewards\[0\].*'label'"):
+        build({"function": "exact_match", "args": {"column": "label"}})
+
+
+def test_regex_match_searches_or_fullmatches():
+    (search,), _ = build({"function": "regex_match", "args": {"pattern": r"\d+"}})
+    (full,), _ = build({"function": "regex_match", "args": {"pattern": r"\d+", "fullmatch": True}})
+    assert call(search, ["a 12", "none"]) == [1.0, 0.0]
+    assert call(full, ["a 12", "12"]) == [0.0, 1.0]
+
+
+def test_bad_regex_and_unknown_args_are_refused_naming_the_field():
+    with pytest.raises(RewardConfigError, match=r"rewards\[0\]\.args\.pattern"):
+        build({"function": "regex_match", "args": {"pattern": "("}})
+    with pytest.raises(RewardConfigError, match=r"rewards\[1\]\.args: unknown argument\(s\) \['colour'\]"):
+        build({"function": "length_penalty"}, {"function": "token_fraction", "args": {"low": 1, "high": 3,
+                                                                                       "colour": 1}})
+
+
+def test_length_penalty_and_token_fraction_use_the_max_completion_length():
+    (length,), _ = build({"function": "length_penalty"})
+    assert call(length, ["a", "b"], completion_ids=[[1] * 5, [1] * 10]) == [-0.5, -1.0]
+    (frac,), _ = build({"function": "token_fraction", "args": {"low": 3, "high": 5}})
+    # 2 of 3 tokens in range, but divided by max length 10: a short completion cannot score high.
+    assert call(frac, ["a"], completion_ids=[[3, 4, 9]]) == [pytest.approx(0.2)]
+
+
+def test_user_function_is_imported_from_the_dataset_directory_with_args(tmp_path: Path):
+    (tmp_path / "my_rewards.py").write_text(
+        "def bonus(prompts, completions, scale=1.0, **kwargs):\n"
+        "    return [scale * len(c) for c in completions]\n"
+    )
+    (func,), _ = build({"function": "my_rewards:bonus", "args": {"scale": 2.0}}, paths=[tmp_path])
+    assert func.__name__ == "my_rewards:bonus"
+    assert call(func, ["ab", "abc"]) == [4.0, 6.0]
+
+
+def test_a_reward_function_that_raises_fails_naming_it(tmp_path: Path):
+    (tmp_path / "bad_rewards.py").write_text("def explode(**kwargs):\n    raise KeyError('missing')\n")
+    (func,), _ = build({"function": "bad_rewards:explode"}, paths=[tmp_path])
+    with pytest.raises(RewardFunctionFailed, match=r"reward function 'bad_rewards:explode' raised KeyError"):
+        call(func, ["x"])
+
+
+def test_a_reward_function_with_the_wrong_count_fails_naming_it(tmp_path: Path):
+    (tmp_path / "short_rewards.py").write_text("def short(completions, **kwargs):\n    return [1.0]\n")
+    (func,), _ = build({"function": "short_rewards:short"}, paths=[tmp_path])
+    with pytest.raises(RewardFunctionFailed, match=r"'short_rewards:short' returned 1 rewards for 3 completions"):
+        call(func, ["a", "b", "c"])
+
+
+def test_async_user_functions_stay_async_for_trl(tmp_path: Path):
+    import asyncio
+    import inspect
+
+    (tmp_path / "async_rewards.py").write_text(
+        "async def score(completions, **kwargs):\n    return [0.5 for _ in completions]\n"
+    )
+    (func,), _ = build({"function": "async_rewards:score"}, paths=[tmp_path])
+    assert inspect.iscoroutinefunction(func)
+    assert asyncio.run(func(prompts=["p"], completions=["a"])) == [0.5]
+
+
+def test_missing_module_is_refused_naming_the_reward(tmp_path: Path):
+    with pytest.raises(RewardConfigError, match=r"rewards\[0\]: cannot import module 'nowhere_to_be_found'"):
+        build({"function": "nowhere_to_be_found:f"}, paths=[tmp_path])
