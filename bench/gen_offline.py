@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import Workload, dump, figure, grpo_shaped, machine  # noqa: E402
+from workload import Workload, dump, figure, grpo_shaped, machine
 
 
 def make_adapter(model_dir: Path, out_dir: Path, rank: int = 32, seed: int = 0) -> Path:
@@ -143,7 +143,8 @@ def main() -> None:
 
     base = runs["plain"]["tokens_per_s"]
     figures = [
-        figure(f"LLM.generate {name}", r["tokens_per_s"], "tokens/s", baseline="LLM.generate plain", baseline_value=base)
+        figure(f"LLM.generate {name}", r["tokens_per_s"], "tokens/s", baseline="LLM.generate plain",
+               baseline_value=base)
         for name, r in runs.items() if name != "hf generate"
     ]
     figures.append(figure("HF generate (useful tokens)", runs["hf generate"]["tokens_per_s"], "tokens/s",

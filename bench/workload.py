@@ -7,6 +7,7 @@ same number of tokens), temperature 1. Deterministic for a seed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import random
@@ -50,13 +51,11 @@ def grpo_shaped(
 def machine() -> str:
     """One line describing the machine (GPU name when nvidia-smi answers)."""
     gpu = ""
-    try:
+    with contextlib.suppress(OSError):
         gpu = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
             capture_output=True, text=True, timeout=10, check=False,
         ).stdout.strip()
-    except OSError:
-        pass
     return f"{gpu or 'no GPU'}; {platform.processor() or platform.machine()}; Python {platform.python_version()}"
 
 

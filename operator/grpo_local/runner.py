@@ -83,7 +83,6 @@ class LocalRun:
     python: str = sys.executable
     on_event: Callable[[RunEvent], None] | None = None
     status: GRPORunStatus = field(default_factory=GRPORunStatus)
-    failed_attempts: tuple[int, ...] = ()
     servers: dict[int, Child] = field(default_factory=dict)
     trainers: dict[int, Child] = field(default_factory=dict)
     events: list[RunEvent] = field(default_factory=list)
@@ -120,11 +119,10 @@ class LocalRun:
 
     def step(self) -> float:
         """Observe, decide, act, record; returns how long to wait before the next step."""
-        decision = decide(self.run.spec, self.status, self.observe(), failed_attempts=self.failed_attempts)
+        decision = decide(self.run.spec, self.status, self.observe())
         for action in decision.actions:
             self.apply(action)
         self.status = decision.status
-        self.failed_attempts = decision.failed_attempts
         self.record()
         delay = decision.requeue_after
         return MAX_TICK_SECONDS if delay is None else max(0.05, min(delay, MAX_TICK_SECONDS))
@@ -268,10 +266,8 @@ class LocalRun:
                 child.stop()
 
     def record(self) -> None:
-        record = {
-            "status": self.status.model_dump(mode="json", by_alias=True, exclude_none=True),
-            "failedAttempts": list(self.failed_attempts),
-        }
+        # status.failedAttempts holds the failed-attempt count, as on a cluster.
+        record = {"status": self.status.model_dump(mode="json", by_alias=True, exclude_none=True)}
         _write_json(self.run_dir / "status.json", record)
         children = [
             {"role": c.role, "attempt": c.attempt, "pid": c.pid, "log": str(c.log_path), "exitCode": c.poll()}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_api.models import API_VERSION, KIND, GRPORun, Mode, Resources, ServerSpec
@@ -71,6 +71,10 @@ class ChildNames:
     @property
     def server(self) -> str:
         """The server's Deployment and Service."""
+        return f"{self.run}-server"
+
+    @property
+    def server_network_policy(self) -> str:
         return f"{self.run}-server"
 
     def trainer(self, attempt: int) -> str:
@@ -211,6 +215,86 @@ def build_service(run: GRPORun) -> dict[str, Any]:
             "type": "ClusterIP",
             "selector": selector(run, SERVER),
             "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------- network policy
+
+#: The operator pod's labels as the chart sets them (its selectorLabels, less the release name).
+DEFAULT_OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "grpo-operator", "app.kubernetes.io/component": "operator"}
+_LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+_LABEL_KEY = re.compile(rf"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?{_LABEL_NAME}$")
+_LABEL_VALUE = re.compile(rf"^({_LABEL_NAME})?$")
+
+
+def parse_label_selector(text: str) -> dict[str, str]:
+    """matchLabels from kubectl's equality form, k=v,k2=v2; an empty text is the empty selector (everything)."""
+    labels: dict[str, str] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        key, sep, value = part.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not _LABEL_KEY.match(key) or not _LABEL_VALUE.match(value):
+            raise ValueError(f"{part!r} is not KEY=VALUE with a valid Kubernetes label key and value")
+        labels[key] = value
+    return labels
+
+
+@dataclass(frozen=True)
+class ServerIngress:
+    """Who may reach a run server's port besides the same run's trainer pods (the run's NetworkPolicy).
+
+    A NetworkPolicy works on ports (L4), not paths: the server's /metrics shares its port with the
+    mutating endpoints, so an allowed scraper can reach those too (the run's bearer token guards them).
+    """
+
+    #: matchLabels of the operator's pods, which poll the server's health before a trainer may start.
+    operator_pods: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_OPERATOR_POD_LABELS))
+    #: matchLabels of the operator's namespace; empty: any namespace.
+    operator_namespaces: dict[str, str] = field(default_factory=dict)
+    #: matchLabels of the namespaces whose pods may scrape /metrics; None: no scraper is admitted.
+    scraper_namespaces: dict[str, str] | None = None
+    #: matchLabels of the scraper pods in those namespaces; empty: any pod there.
+    scraper_pods: dict[str, str] = field(default_factory=dict)
+
+
+def _selector(labels: dict[str, str]) -> dict[str, Any]:
+    return {"matchLabels": dict(labels)} if labels else {}
+
+
+def build_network_policy(run: GRPORun, ingress: ServerIngress) -> dict[str, Any]:
+    """The run's server pods accept connections on the server port only from the run's own trainer
+    pods, the operator, and (if configured) the metrics scrapers; nothing else reaches the load trigger."""
+    peers: list[dict[str, Any]] = [
+        # A bare podSelector means pods of the policy's own namespace: the run's.
+        {"podSelector": {"matchLabels": selector(run, TRAINER)}},
+        {
+            "namespaceSelector": _selector(ingress.operator_namespaces),
+            "podSelector": _selector(ingress.operator_pods),
+        },
+    ]
+    if ingress.scraper_namespaces is not None:
+        peers.append(
+            {
+                "namespaceSelector": _selector(ingress.scraper_namespaces),
+                "podSelector": _selector(ingress.scraper_pods),
+            }
+        )
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(run, child_names(run).server_network_policy, SERVER),
+        "spec": {
+            "podSelector": {"matchLabels": selector(run, SERVER)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": peers,
+                    "ports": [{"protocol": "TCP", "port": run.spec.effective_server.port}],
+                }
+            ],
         },
     }
 

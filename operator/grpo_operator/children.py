@@ -36,6 +36,8 @@ class DeploymentInfo:
     owner: str | None
     attempt: int | None
     replicas: int
+    #: Why it cannot make its pod (quota, admission), for status messages.
+    problem: str = ""
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,17 @@ def deployment_info(body: dict[str, Any]) -> DeploymentInfo:
         owner=owner_uid(meta),
         attempt=_attempt(template_meta.get("annotations")),
         replicas=int(spec.get("replicas", 1)),
+        problem=deployment_problem(body.get("status") or {}),
     )
+
+
+def deployment_problem(status: dict[str, Any]) -> str:
+    """A Deployment that cannot create its pod (ResourceQuota, Pod Security admission) says so in
+    its ReplicaFailure condition; its pod never exists to tell."""
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
+            return _short(f"{cond.get('reason', 'ReplicaFailure')}: {cond.get('message', '')}")
+    return ""
 
 
 def job_info(body: dict[str, Any]) -> JobInfo:

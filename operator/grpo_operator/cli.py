@@ -6,7 +6,18 @@ import logging
 
 import click
 
+from grpo_operator.builders import DEFAULT_OPERATOR_POD_LABELS, ServerIngress, parse_label_selector
 from grpo_operator.reconcile import OperatorConfig
+
+
+def _labels(ctx: click.Context, param: click.Parameter, value: str | None) -> dict[str, str] | None:
+    """A KEY=VALUE,... option as matchLabels (None stays None: the option was not given)."""
+    if value is None:
+        return None
+    try:
+        return parse_label_selector(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
 
 
 @click.command("operator")
@@ -67,6 +78,50 @@ from grpo_operator.reconcile import OperatorConfig
     show_default=True,
     help="Run without kopf peering (one replica, as the chart deploys it) or with it.",
 )
+@click.option(
+    "--network-policy/--no-network-policy",
+    default=True,
+    show_default=True,
+    envvar="GRPO_NETWORK_POLICY",
+    help="Give each run a NetworkPolicy: its server's port admits only the run's trainer pods, the "
+    "operator's pods and the scrapers below (needs a CNI that enforces NetworkPolicy).",
+)
+@click.option(
+    "--operator-pod-selector",
+    default=",".join(f"{k}={v}" for k, v in DEFAULT_OPERATOR_POD_LABELS.items()),
+    show_default=True,
+    envvar="GRPO_OPERATOR_POD_SELECTOR",
+    callback=_labels,
+    metavar="K=V,...",
+    help="Labels of this operator's pods, admitted to run servers (they poll the server's health).",
+)
+@click.option(
+    "--operator-namespace-selector",
+    default="",
+    envvar="GRPO_OPERATOR_NAMESPACE_SELECTOR",
+    callback=_labels,
+    metavar="K=V,...",
+    help="Labels of this operator's namespace, e.g. kubernetes.io/metadata.name=grpo-system "
+    "[default: any namespace].",
+)
+@click.option(
+    "--scraper-namespace-selector",
+    default=None,
+    envvar="GRPO_SCRAPER_NAMESPACE_SELECTOR",
+    callback=_labels,
+    metavar="K=V,...",
+    help="Admit Prometheus scrapers from namespaces with these labels ('' = every namespace) to run "
+    "servers' port; /metrics shares it with the mutating endpoints (a NetworkPolicy cannot tell "
+    "paths apart). [default: no scraper is admitted]",
+)
+@click.option(
+    "--scraper-pod-selector",
+    default="",
+    envvar="GRPO_SCRAPER_POD_SELECTOR",
+    callback=_labels,
+    metavar="K=V,...",
+    help="Labels of the scraper pods in those namespaces [default: any pod].",
+)
 @click.option("--verbose", is_flag=True, help="Log more.")
 @click.option("--debug", is_flag=True, help="Log everything kopf does.")
 def operator(
@@ -79,6 +134,11 @@ def operator(
     health_timeout: float,
     workers: int,
     standalone: bool,
+    network_policy: bool,
+    operator_pod_selector: dict[str, str],
+    operator_namespace_selector: dict[str, str],
+    scraper_namespace_selector: dict[str, str] | None,
+    scraper_pod_selector: dict[str, str],
     verbose: bool,
     debug: bool,
 ) -> None:
@@ -97,6 +157,14 @@ def operator(
         health_timeout=health_timeout,
         workers=workers,
         metrics_port=metrics_port,
+        server_ingress=ServerIngress(
+            operator_pods=operator_pod_selector,
+            operator_namespaces=operator_namespace_selector,
+            scraper_namespaces=scraper_namespace_selector,
+            scraper_pods=scraper_pod_selector,
+        )
+        if network_policy
+        else None,
     )
     kopf.configure(verbose=verbose, debug=debug)
     # The client logs whole response bodies at DEBUG: far too much even for --debug.

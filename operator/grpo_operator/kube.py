@@ -42,6 +42,7 @@ class KubeClient:
         self.apps = client.AppsV1Api(api_client)
         self.batch = client.BatchV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
+        self.networking = client.NetworkingV1Api(api_client)
 
     def _call(self, verb: str, kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
         """One request; the answer as a plain dict (the client's model classes cost CPU and are not needed)."""
@@ -60,6 +61,7 @@ class KubeClient:
             "Service": self.core.create_namespaced_service,
             "Deployment": self.apps.create_namespaced_deployment,
             "Job": self.batch.create_namespaced_job,
+            "NetworkPolicy": self.networking.create_namespaced_network_policy,
         }
         return creators[kind]
 
@@ -133,22 +135,6 @@ class KubeClient:
             PLURAL,
             name,
             {"status": status},
-            field_manager=FIELD_MANAGER,
-            _content_type=MERGE_PATCH,
-        )
-        return str(body["metadata"]["resourceVersion"])
-
-    def patch_run_annotations(self, namespace: str, name: str, annotations: dict[str, str | None]) -> str:
-        body = self._call(
-            "patch",
-            KIND,
-            self.custom.patch_namespaced_custom_object,
-            GROUP,
-            VERSION,
-            namespace,
-            PLURAL,
-            name,
-            {"metadata": {"annotations": annotations}},
             field_manager=FIELD_MANAGER,
             _content_type=MERGE_PATCH,
         )

@@ -2,11 +2,19 @@
 
 Every exposed family name is listed in METRIC_NAMES, which the chart's alert rules and
 dashboards are checked against.
+
+Per-run families carry `namespace` (the run's) and `grporun` (its name), the labels the chart's
+PodMonitors give the run's server and trainer series, so operator and run series join on them.
+The operator's own scrape target also has a `namespace` (the operator's): scrape it with
+`honor_labels: true` (the chart's ServiceMonitor does) so the run's namespace wins. A run's
+series go when the run is deleted.
 """
 
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
+
+from grpo_api.models import Phase
 
 RUNS = Gauge("grpo_operator_runs", "GRPORuns this operator reconciles, by phase.", ["phase"])
 RECONCILE_DURATION = Histogram(
@@ -32,6 +40,20 @@ API_REQUESTS = Counter(
 LAST_RECONCILE = Gauge(
     "grpo_operator_last_reconcile_timestamp_seconds", "Unix time the latest reconcile of any run finished."
 )
+RUN_LABELS = ("namespace", "grporun")
+RUN_PHASE = Gauge(
+    "grpo_operator_run_phase",
+    "1 for the phase each run is in (a run has no series for its other phases).",
+    [*RUN_LABELS, "phase"],
+)
+RUN_ATTEMPT = Gauge(
+    "grpo_operator_run_attempt", "The attempt each run is on (0 before its first).", list(RUN_LABELS)
+)
+RUN_FAILURES = Counter(
+    "grpo_operator_run_failures",
+    "Failed attempts and failed runs of each run, by reason.",
+    [*RUN_LABELS, "reason"],
+)
 
 METRIC_NAMES: tuple[str, ...] = (
     "grpo_operator_runs",
@@ -42,6 +64,9 @@ METRIC_NAMES: tuple[str, ...] = (
     "grpo_operator_failures_total",
     "grpo_operator_api_requests_total",
     "grpo_operator_last_reconcile_timestamp_seconds",
+    "grpo_operator_run_phase",
+    "grpo_operator_run_attempt",
+    "grpo_operator_run_failures_total",
 )
 
 
@@ -50,5 +75,26 @@ def set_runs_by_phase(phases: dict[str, str]) -> None:
     counts: dict[str, int] = {}
     for phase in phases.values():
         counts[phase] = counts.get(phase, 0) + 1
-    for phase in ("Pending", "StartingServer", "Training", "Suspended", "Succeeded", "Failed"):
-        RUNS.labels(phase=phase).set(counts.get(phase, 0))
+    for phase in Phase:
+        RUNS.labels(phase=phase.value).set(counts.get(phase.value, 0))
+
+
+def set_run(namespace: str, run: str, phase: str, attempt: int) -> None:
+    """Record a run's phase and attempt; the run keeps exactly one phase series."""
+    for other in Phase:
+        if other.value != phase:
+            RUN_PHASE.remove(namespace, run, other.value)
+    RUN_PHASE.labels(namespace=namespace, grporun=run, phase=phase).set(1)
+    RUN_ATTEMPT.labels(namespace=namespace, grporun=run).set(attempt)
+
+
+def count_run_failure(namespace: str, run: str, reason: str) -> None:
+    FAILURES.labels(reason=reason).inc()
+    RUN_FAILURES.labels(namespace=namespace, grporun=run, reason=reason).inc()
+
+
+def forget_run(namespace: str, run: str) -> None:
+    """Drop every series of a deleted run."""
+    labels = {"namespace": namespace, "grporun": run}
+    for family in (RUN_PHASE, RUN_ATTEMPT, RUN_FAILURES):
+        family.remove_by_labels(labels)

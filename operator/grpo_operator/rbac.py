@@ -26,6 +26,8 @@ APPLICATION_RULES: list[PolicyRule] = [
         "verbs": ["create"],
     },
     {"apiGroups": [""], "resources": ["services"], "verbs": ["create", "delete"]},
+    # The run's server NetworkPolicy: created with the Service, removed with the run by GC.
+    {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["create"]},
     # Watched through kopf indexes, so a reconcile reads them without an API call.
     {
         "apiGroups": ["apps"],

@@ -16,7 +16,7 @@ import logging
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
@@ -50,8 +50,6 @@ from grpo_operator.kube import KubeClient
 
 log = logging.getLogger("grpo_operator")
 
-#: Attempt numbers that failed, on the run (status has no field for them yet).
-FAILED_ATTEMPTS_ANNOTATION = f"{builders.LABEL_PREFIX}/failed-attempts"
 FAILURE_REASONS = frozenset(
     {
         Reason.TRAINER_FAILED,
@@ -73,6 +71,8 @@ class OperatorConfig:
     health_timeout: float = DEFAULT_TIMEOUT_SECONDS
     workers: int = 16
     metrics_port: int = 9090
+    #: Who may reach a run's server besides its trainer (a NetworkPolicy per run); None: no policy.
+    server_ingress: builders.ServerIngress | None = field(default_factory=builders.ServerIngress)
 
 
 @dataclass
@@ -87,14 +87,21 @@ class Runtime:
     #: than our own write is refreshed with a GET instead of being decided on.
     known_versions: dict[str, str] = field(default_factory=dict)
     phases: dict[str, str] = field(default_factory=dict)
+    #: (namespace, name) of each run by uid: whose per-run metric series are whose.
+    names: dict[str, tuple[str, str]] = field(default_factory=dict)
     last_errors: dict[str, str] = field(default_factory=dict)
     last_reconcile: float = field(default_factory=time.monotonic)
 
     def forget(self, uid: str) -> None:
+        """The run is gone (or no longer watched): drop what is kept of it, its metric series too."""
         self.known_versions.pop(uid, None)
         self.phases.pop(uid, None)
         self.last_errors.pop(uid, None)
         metrics.set_runs_by_phase(self.phases)
+        key = self.names.pop(uid, None)
+        # A new run of the same name may already own the series: leave them to it.
+        if key is not None and key not in self.names.values():
+            metrics.forget_run(*key)
 
 
 def reconcile(rt: Runtime, body: dict[str, Any], children: Children) -> float:
@@ -149,7 +156,6 @@ def _reconcile(rt: Runtime, body: dict[str, Any], children: Children) -> float:
     status = GRPORunStatus.model_validate(raw_status)
     now = dt.datetime.now(dt.UTC)
     generation = meta.get("generation")
-    failed = _failed_attempts(meta)
 
     try:
         run = GRPORun.model_validate({"metadata": meta, "spec": body.get("spec")})
@@ -160,16 +166,17 @@ def _reconcile(rt: Runtime, body: dict[str, Any], children: Children) -> float:
             if isinstance(exc, ValidationError)
             else str(exc)
         )
-        decision = replace(reject(status, message, now, generation=generation), failed_attempts=failed)
-        _record(rt, meta, raw_status, status, decision, failed)
+        decision = reject(status, message, now, generation=generation)
+        _record(rt, meta, raw_status, status, decision)
+        _count_failures(namespace, name, decision)
         return rt.config.reconcile_interval
 
     observed = observe(rt, run, status, children, now)
-    decision = decide(run.spec, status, observed, failed_attempts=failed, generation=generation)
+    decision = decide(run.spec, status, observed, generation=generation)
     deleted = execute(rt, run, children, decision)
     if not deleted:
-        _record(rt, meta, raw_status, status, decision, failed)
-        _count(rt, run, status, decision, children, now)
+        _record(rt, meta, raw_status, status, decision)
+        _count(run, status, decision, children, now)
     delay = decision.requeue_after
     interval = rt.config.reconcile_interval
     return max(MIN_REQUEUE_SECONDS, min(delay, interval) if delay is not None else interval)
@@ -189,6 +196,7 @@ def observe(
     service_url = builders.server_url(run)
     override = _server_url_override(rt, run)
     health: HealthCheck | None = None
+    server_message = server_trouble(children, attempt) if server_mode and attempt > 0 else ""
     waiting_for_old = status.phase == Phase.STARTING_SERVER and older > 0
     if wants_health(run.spec, status) and not waiting_for_old:
         path = run.spec.effective_server.health_path
@@ -198,8 +206,7 @@ def observe(
             health = rt.health.check(service_url, path)
         else:
             # Without a Ready pod the Service has no endpoint: skip the HTTP call.
-            pod = children.pod_of(attempt)
-            trouble = f" ({pod.name}: {pod.problem})" if pod is not None and pod.problem else ""
+            trouble = f" ({server_message})" if server_message else ""
             health = HealthCheck(reachable=False, error=f"no ready server pod of attempt {attempt} yet{trouble}")
     return Observation(
         now=now,
@@ -208,7 +215,19 @@ def observe(
         trainer=trainer,
         trainer_message=trainer_message,
         server_url=(override or service_url) if server_mode else None,
+        server_message=server_message,
     )
+
+
+def server_trouble(children: Children, attempt: int) -> str:
+    """What keeps the attempt's server from running (its pod's trouble, or its Deployment's), or ""."""
+    pod = children.pod_of(attempt)
+    if pod is not None and pod.problem:
+        return f"pod {pod.name}: {pod.problem}"
+    deployment = children.deployment
+    if deployment is not None and deployment.problem:
+        return f"deployment {deployment.name}: {deployment.problem}"
+    return ""
 
 
 def trainer_state(
@@ -285,17 +304,14 @@ def provision(rt: Runtime, run: GRPORun) -> None:
     objects = [builders.build_config_map(run), builders.build_volume_claim(run)]
     if run.spec.mode == Mode.SERVER:
         objects += [builders.build_token_secret(run, secrets.token_urlsafe(32)), builders.build_service(run)]
+        if rt.config.server_ingress is not None:
+            objects.append(builders.build_network_policy(run, rt.config.server_ingress))
     for obj in objects:
         if obj is not None:
             rt.kube.create_if_absent(obj)
 
 
 # --------------------------------------------------------------------------------------------- record
-
-
-def _failed_attempts(meta: dict[str, Any]) -> tuple[int, ...]:
-    raw = (meta.get("annotations") or {}).get(FAILED_ATTEMPTS_ANNOTATION, "")
-    return tuple(sorted({int(part) for part in raw.split(",") if part.strip().isdigit()}))
 
 
 def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -320,15 +336,9 @@ def _record(
     raw_status: dict[str, Any],
     status: GRPORunStatus,
     decision: Decision,
-    failed: tuple[int, ...],
 ) -> None:
-    """Failed attempts first, then the status (only if changed), then the events of the transition."""
+    """The status (only if changed; the failed-attempt count is part of it), then the transition's events."""
     namespace, name, uid = str(meta["namespace"]), str(meta["name"]), str(meta["uid"])
-    if decision.failed_attempts != failed:
-        value = ",".join(str(a) for a in decision.failed_attempts)
-        rt.known_versions[uid] = rt.kube.patch_run_annotations(
-            namespace, name, {FAILED_ATTEMPTS_ANNOTATION: value}
-        )
     new_wire = decision.status.to_wire()
     if new_wire != status.to_wire():
         rt.known_versions[uid] = rt.kube.patch_run_status(namespace, name, merge_patch(raw_status, new_wire))
@@ -341,18 +351,22 @@ def _record(
         log.info("%s/%s: %s -> %s (%s): %s", namespace, name, status.phase, decision.status.phase,
                  decision.status.reason, decision.status.message)
     rt.phases[uid] = decision.status.phase
+    rt.names[uid] = (namespace, name)
     metrics.set_runs_by_phase(rt.phases)
+    metrics.set_run(namespace, name, decision.status.phase, decision.status.attempt)
 
 
-def _count(
-    rt: Runtime, run: GRPORun, before: GRPORunStatus, decision: Decision, children: Children, now: dt.datetime
-) -> None:
+def _count_failures(namespace: str, name: str, decision: Decision) -> None:
+    for emit in decision.of_type(Emit):
+        if emit.type == "Warning" and emit.reason in FAILURE_REASONS:
+            metrics.count_run_failure(namespace, name, emit.reason)
+
+
+def _count(run: GRPORun, before: GRPORunStatus, decision: Decision, children: Children, now: dt.datetime) -> None:
     after = decision.status
     if after.attempt > before.attempt:
         metrics.ATTEMPTS.inc(after.attempt - before.attempt)
-    for emit in decision.of_type(Emit):
-        if emit.type == "Warning" and emit.reason in FAILURE_REASONS:
-            metrics.FAILURES.labels(reason=emit.reason).inc()
+    _count_failures(run.metadata.namespace or "default", run.metadata.name, decision)
     passed_gate = (
         before.phase == Phase.STARTING_SERVER and after.server.ready and run.spec.mode == Mode.SERVER
     )

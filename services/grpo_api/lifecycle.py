@@ -19,8 +19,9 @@ The contract (ARCHITECTURE.md, "Lifecycle of one run"):
 
 Actions are idempotent requests ("this should exist"), re-issued on every call
 while they hold, so an executor that crashed half-way converges on the next call.
-Executors apply the actions first and record the new status (and `failed_attempts`)
-last: a call whose record was lost is simply decided again.
+Executors apply the actions first and record the new status last, in one write: the
+failed-attempt count (`status.failedAttempts`) moves with the phase and attempt it
+belongs to, so a call whose record was lost is simply decided again and counts nothing twice.
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ class Observation:
     progress: TrainingProgress | None = None
     #: Where the executor reaches the server; recorded in status.server.url.
     server_url: str | None = None
+    #: Trouble with the current attempt's server (pod unschedulable, image pull, crash loop), if
+    #: any; recorded in status.server.message.
+    server_message: str = ""
 
 
 # ----------------------------------------------------------------------------------------- actions
@@ -194,9 +198,8 @@ _A = TypeVar("_A")
 
 @dataclass(frozen=True)
 class Decision:
+    #: The new status, failed-attempt count included.
     status: GRPORunStatus
-    #: Attempt numbers that failed (a set: recording one twice is harmless); at most backoffLimit + 1.
-    failed_attempts: tuple[int, ...]
     actions: tuple[Action, ...]
 
     @property
@@ -225,11 +228,10 @@ def decide(
     status: GRPORunStatus,
     observed: Observation,
     *,
-    failed_attempts: tuple[int, ...] | list[int] = (),
     generation: int | None = None,
 ) -> Decision:
     """The new status and the actions that bring the world to it. Pure: same inputs, same outputs."""
-    step = _Step(spec, status.model_copy(deep=True), observed, set(failed_attempts))
+    step = _Step(spec, status.model_copy(deep=True), observed)
     step.run()
     new = step.status
     new.observed_generation = generation
@@ -237,7 +239,7 @@ def decide(
         kind: Literal["Normal", "Warning"] = "Warning" if new.reason in WARNING_REASONS else "Normal"
         step.actions.append(Emit(kind, new.reason, new.message or ""))
     new.conditions = _conditions(spec, status.conditions, new, observed.now, generation)
-    return Decision(status=new, failed_attempts=tuple(sorted(step.failed)), actions=tuple(step.actions))
+    return Decision(status=new, actions=tuple(step.actions))
 
 
 def reject(
@@ -260,7 +262,7 @@ def reject(
             new.conditions, ConditionType.FAILED, "True", Reason.INVALID_SPEC, new.message, now, generation
         )
     new.observed_generation = generation
-    return Decision(status=new, failed_attempts=(), actions=tuple(actions))
+    return Decision(status=new, actions=tuple(actions))
 
 
 @dataclass
@@ -268,7 +270,6 @@ class _Step:
     spec: GRPORunSpec
     status: GRPORunStatus
     obs: Observation
-    failed: set[int]
     actions: list[Action] = field(default_factory=list)
 
     @property
@@ -317,6 +318,7 @@ class _Step:
         self.status.attempt_started_at = self.now
         # The boot id stays recorded: the next server must show a different one.
         self.status.server.ready = False
+        self.status.server.message = None  # the trouble of the old server is not the new one's
         self.actions.append(Provision())
         if self.server_mode:
             self.actions.append(EnsureServer(attempt, 1))
@@ -331,21 +333,22 @@ class _Step:
 
     def attempt_failed(self, reason: Reason, message: str) -> None:
         attempt = self.status.attempt
-        self.failed.add(attempt)
+        self.status.failed_attempts += 1
+        failed = self.status.failed_attempts
         limit = self.spec.run_policy.backoff_limit
-        if len(self.failed) <= limit:
+        if failed <= limit:
             self.actions.append(Emit("Warning", reason, _truncate(message)))
             self.start_attempt(
                 attempt + 1,
                 Reason.RETRYING,
-                f"attempt {attempt} failed ({reason}), retry {len(self.failed)} of {limit}",
+                f"attempt {attempt} failed ({reason}), retry {failed} of {limit}",
             )
             return
         final = Reason.BACKOFF_LIMIT_EXCEEDED if reason == Reason.TRAINER_FAILED else reason
         if final != reason:
             self.actions.append(Emit("Warning", reason, _truncate(message)))
         self.finish(
-            Phase.FAILED, final, f"{message} (failed attempts: {len(self.failed)}, backoffLimit: {limit})"
+            Phase.FAILED, final, f"{message} (failed attempts: {failed}, backoffLimit: {limit})"
         )
 
     def finish(self, phase: Phase, reason: Reason, message: str) -> None:
@@ -359,6 +362,7 @@ class _Step:
                 Phase.SUSPENDED, Reason.SUSPENDED, f"suspended during attempt {self.status.attempt}"
             )
         self.status.server.ready = False
+        self.status.server.message = None
         if self.status.attempt > 0 and self.obs.trainer != TrainerState.ABSENT:
             self.actions.append(DeleteTrainer(self.status.attempt))
         if self.server_mode:
@@ -391,6 +395,7 @@ class _Step:
     def await_server(self) -> None:
         attempt = self.status.attempt
         self.actions.append(EnsureServer(attempt, 1))
+        self.status.server.message = _truncate(self.obs.server_message) or None
         started = self.status.attempt_started_at or self.now
         self.status.attempt_started_at = started
         timeout = self.spec.run_policy.server_ready_timeout_seconds
@@ -445,6 +450,7 @@ class _Step:
         attempt = self.status.attempt
         if self.server_mode:
             self.actions.append(EnsureServer(attempt, 1))
+            self.status.server.message = _truncate(self.obs.server_message) or None
             self.record_server()
         self.record_progress()
         trainer = self.obs.trainer

@@ -619,6 +619,11 @@ class ServerStatus(ApiModel):
     boot_id: str | None = Field(default=None, description="Boot id of the server that passed the health gate.")
     ready: bool = Field(default=False, description="The server answered its health check for this attempt.")
     url: str | None = Field(default=None, description="In-cluster URL of the server.")
+    message: str | None = Field(
+        default=None,
+        description="Trouble with the attempt's server pod, if any (Unschedulable, ImagePullBackOff, "
+        "CrashLoopBackOff, a non-zero exit), as the operator last saw it.",
+    )
 
 
 class AdapterStatus(ApiModel):
@@ -654,6 +659,12 @@ class GRPORunStatus(ApiModel):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     attempt: int = Field(default=0, description="Current attempt (1-based); each has a fresh server.")
+    failed_attempts: int = Field(
+        default=0,
+        ge=0,
+        description="Attempts that failed so far (counted against runPolicy.backoffLimit); a suspended "
+        "attempt does not count.",
+    )
     attempt_started_at: dt.datetime | None = Field(
         default=None, description="When the current attempt began waiting for its server."
     )

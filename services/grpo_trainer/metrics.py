@@ -8,7 +8,6 @@ suffix they are exposed with; histograms by their base name (the series are
 
 from __future__ import annotations
 
-import math
 import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -174,9 +173,13 @@ class TrainerMetrics:
         )
 
     def observe_trl_logs(self, logs: dict[str, float | None]) -> None:
-        """Copy one TRL log record (reward, loss, kl, clip and IS statistics, ...) into the gauges."""
+        """Copy one TRL log record (reward, loss, kl, clip and IS statistics, ...) into the gauges.
+
+        NaN is copied too: a NaN reward or loss is what the chart's GRPORewardNaN alert looks for
+        (Prometheus stores NaN samples; `x != x` selects them).
+        """
         for key, value in logs.items():
-            if value is None or not isinstance(value, int | float) or math.isnan(value):
+            if value is None or not isinstance(value, int | float):
                 continue
             if key in _TRL_LOG_GAUGES:
                 attr, label = _TRL_LOG_GAUGES[key]

@@ -28,7 +28,10 @@ VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["versi
 SCENARIOS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "namespaced-two-namespaces": {"watch": {"mode": "namespaced", "namespaces": ["chart-team-a", "chart-team-b"]}},
-    "cluster-wide": {"watch": {"mode": "cluster"}, "networkPolicy": {"namespaces": ["chart-team-a"]}},
+    "cluster-wide": {"watch": {"mode": "cluster"},
+                     # null drops the default label (Helm merges maps): any pod of the monitoring namespace.
+                     "networkPolicy": {"scrapers": {"namespaceSelector": {"kubernetes.io/metadata.name": "monitoring"},
+                                                    "podSelector": {"app.kubernetes.io/name": None}}}},
     "monitoring-on": {
         "metrics": {"operator": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus"}}},
                     "servers": {"podMonitor": {"enabled": True}},
@@ -88,6 +91,9 @@ def test_helm_lint_strict_passes(chart: Chart, scenario: str) -> None:
     ({"image": {"pullPolicy": "Sometimes"}}, "image.pullPolicy"),
     ({"watch": {"namespaces": ["Not_A_Namespace"]}}, "watch.namespaces"),
     ({"prometheusRule": {"for": {"serverNotReady": "fifteen minutes"}}}, "prometheusRule.for.serverNotReady"),
+    ({"networkPolicy": {"scrapers": {"enabled": True, "podSelector": {"app name": "x"}}}},
+     "networkPolicy.scrapers.podSelector"),
+    ({"networkPolicy": {"namespaces": ["chart-team-a"]}}, "namespaces"),
 ])
 def test_schema_refuses_bad_values_naming_the_field(chart: Chart, values: dict[str, Any], field: str) -> None:
     result = chart.helm("template", RELEASE, str(CHART), values=values)
@@ -287,6 +293,8 @@ def test_operator_service_monitor_scrapes_the_metrics_port(chart: Chart) -> None
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus"
     assert matches(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
     assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
+    # The per-run series' own `namespace` (the run's) must win over the target's (the operator's).
+    assert monitor["spec"]["endpoints"][0]["honorLabels"] is True
     deployment = one(docs, "Deployment")
     assert matches(service["spec"]["selector"], pod_template(deployment)["metadata"]["labels"])
 
@@ -327,31 +335,67 @@ def test_dashboards_are_config_maps_for_the_grafana_sidecar(chart: Chart) -> Non
 # -------------------------------------------------------------------------------------- network policy
 
 
-def test_network_policy_admits_only_trainers_operator_and_scrapers_to_servers(chart: Chart) -> None:
+def run_network_policy(container: dict[str, Any], run: GRPORun) -> dict[str, Any] | None:
+    """The NetworkPolicy the operator, started with the chart's args, builds for a run (None: none)."""
+    from grpo_operator.cli import operator
+
+    params = operator.make_context("operator", list(container["args"])).params
+    if not params["network_policy"]:
+        return None
+    ingress = builders.ServerIngress(
+        operator_pods=params["operator_pod_selector"], operator_namespaces=params["operator_namespace_selector"],
+        scraper_namespaces=params["scraper_namespace_selector"], scraper_pods=params["scraper_pod_selector"])
+    return builders.build_network_policy(run, ingress)
+
+
+def test_chart_makes_no_namespace_wide_network_policy(chart: Chart) -> None:
+    """NetworkPolicies add up: a namespace-wide one admitting every trainer would undo the per-run ones."""
+    for scenario in ("defaults", "namespaced-two-namespaces", "cluster-wide"):
+        assert not find(chart.render(SCENARIOS[scenario]), "NetworkPolicy"), scenario
+
+
+def test_run_network_policy_admits_the_runs_trainer_this_operator_and_the_scrapers(chart: Chart) -> None:
     run = sample_run(RELEASE_NAMESPACE)
     server_pod = pod_template(builders.build_server_deployment(run, attempt=1, replicas=1))
     trainer_pod = pod_template(builders.build_trainer_job(run, attempt=1))
     docs = chart.render()
     operator_pod = pod_template(one(docs, "Deployment"))
-    policy = one(docs, "NetworkPolicy")
+    (container,) = operator_pod["spec"]["containers"]
+    policy = run_network_policy(container, run)
+    assert policy is not None
     assert policy["metadata"]["namespace"] == RELEASE_NAMESPACE
-    assert policy["spec"]["policyTypes"] == ["Ingress"]
     assert matches(policy["spec"]["podSelector"]["matchLabels"], server_pod["metadata"]["labels"])
-    assert not matches(policy["spec"]["podSelector"]["matchLabels"], trainer_pod["metadata"]["labels"])
     (rule,) = policy["spec"]["ingress"]
-    peers = rule["from"]
-    assert matches(peers[0]["podSelector"]["matchLabels"], trainer_pod["metadata"]["labels"])
-    assert not matches(peers[0]["podSelector"]["matchLabels"], server_pod["metadata"]["labels"])
-    assert peers[1]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": RELEASE_NAMESPACE}}
-    assert matches(peers[1]["podSelector"]["matchLabels"], operator_pod["metadata"]["labels"])
-    assert peers[2:] == yaml.safe_load((CHART / "values.yaml").read_text())["networkPolicy"]["scrapers"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": run.spec.effective_server.port}]
+    trainers, operator, scrapers = rule["from"]
+    assert matches(trainers["podSelector"]["matchLabels"], trainer_pod["metadata"]["labels"])
+    assert operator["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": RELEASE_NAMESPACE}}
+    assert operator["podSelector"] == one(docs, "Deployment")["spec"]["selector"], "the chart's selectorLabels"
+    assert matches(operator["podSelector"]["matchLabels"], operator_pod["metadata"]["labels"])
+    # Another release's operator (other instance label) is not admitted.
+    other = {**operator_pod["metadata"]["labels"], "app.kubernetes.io/instance": "other"}
+    assert not matches(operator["podSelector"]["matchLabels"], other)
+    scraper_values = yaml.safe_load((CHART / "values.yaml").read_text())["networkPolicy"]["scrapers"]
+    assert scrapers == {"namespaceSelector": {}, "podSelector": {"matchLabels": scraper_values["podSelector"]}}
 
 
-def test_network_policy_goes_to_every_watched_namespace(chart: Chart) -> None:
-    docs = chart.render(SCENARIOS["namespaced-two-namespaces"])
-    assert sorted(p["metadata"]["namespace"] for p in find(docs, "NetworkPolicy")) == ["chart-team-a", "chart-team-b"]
-    docs = chart.render(SCENARIOS["cluster-wide"])
-    assert [p["metadata"]["namespace"] for p in find(docs, "NetworkPolicy")] == ["chart-team-a"]
+def test_run_network_policy_scrapers_follow_the_values(chart: Chart) -> None:
+    run = sample_run(RELEASE_NAMESPACE)
+    (container,) = pod_template(one(chart.render(SCENARIOS["cluster-wide"]), "Deployment"))["spec"]["containers"]
+    policy = run_network_policy(container, run)
+    assert policy is not None
+    assert policy["spec"]["ingress"][0]["from"][2] == {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}, "podSelector": {}}
+    (container,) = pod_template(one(chart.render({"networkPolicy": {"scrapers": {"enabled": False}}}),
+                                    "Deployment"))["spec"]["containers"]
+    policy = run_network_policy(container, run)
+    assert policy is not None and len(policy["spec"]["ingress"][0]["from"]) == 2, "no scraper peer"
+
+
+def test_network_policy_off_tells_the_operator_to_make_none(chart: Chart) -> None:
+    (container,) = pod_template(one(chart.render(SCENARIOS["everything-off"]), "Deployment"))["spec"]["containers"]
+    assert "--no-network-policy" in container["args"]
+    assert run_network_policy(container, sample_run(RELEASE_NAMESPACE)) is None
 
 
 def test_every_value_is_in_the_schema_and_the_docs() -> None:

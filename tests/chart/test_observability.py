@@ -159,6 +159,8 @@ def test_dashboards_use_every_family_the_issue_asks_for() -> None:
         "vllm:time_to_first_token_seconds_bucket", "grpo_server_adapter_loads_total",
         "grpo_operator_reconcile_duration_seconds_count", "grpo_operator_reconcile_duration_seconds_bucket",
         "grpo_operator_reconcile_errors_total",
+        # Per-run operator series: phase, attempts and failures of each run by name.
+        "grpo_operator_run_phase", "grpo_operator_run_attempt", "grpo_operator_run_failures_total",
     }
     assert not wanted - used, f"no panel shows {sorted(wanted - used)}"
 
@@ -224,6 +226,48 @@ def test_promtool_unit_tests_fail_when_an_alert_misbehaves(chart_tools: ChartToo
     result = subprocess.run([str(chart_tools.promtool), "test", "rules", str(test_file)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "GRPORewardStalled" in result.stdout + result.stderr
+
+
+def test_alerts_about_a_run_name_the_run(rules_file: Path) -> None:
+    rules = [r for g in yaml.safe_load(rules_file.read_text())["groups"] for r in g["rules"]]
+    for rule in rules:
+        if rule["alert"] == "GRPOOperatorDown":
+            continue
+        # The promtool tests check that the `grporun` label reaches the alert.
+        assert "$labels.grporun" in rule["annotations"]["summary"], rule["alert"]
+
+
+def test_a_nan_reward_the_trainer_exports_fires_the_nan_alert(chart_tools: ChartTools, rules_file: Path) -> None:
+    """From the trainer's /metrics text to the alert: the NaN must survive the export."""
+    from prometheus_client import generate_latest
+
+    from grpo_trainer.metrics import TrainerMetrics
+
+    exported = TrainerMetrics()
+    exported.observe_trl_logs({"reward": float("nan"), "loss": 0.25})
+    text = generate_latest(exported.registry).decode()
+    # The sample values exactly as Prometheus would read them off the trainer's /metrics page.
+    reward = re.search(r"^grpo_trainer_reward_mean (\S+)$", text, re.M)
+    loss = re.search(r"^grpo_trainer_loss (\S+)$", text, re.M)
+    assert reward and loss, text
+    assert (reward.group(1), loss.group(1)) == ("NaN", "0.25")
+    labels = 'job="grpo-trainer", namespace="team-a", grporun="exported"'
+    tests = {"rule_files": [str(rules_file)], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [{"series": f"grpo_trainer_{name}{{{labels}}}", "values": " ".join([value.group(1)] * 11)}
+                         for name, value in (("reward_mean", reward), ("loss", loss))],
+        "alert_rule_test": [{"eval_time": "5m", "alertname": "GRPORewardNaN", "exp_alerts": [{
+            "exp_labels": {"severity": "critical", "job": "grpo-trainer", "namespace": "team-a", "grporun": "exported"},
+            "exp_annotations": {
+                "summary": "GRPORun team-a/exported reports a NaN reward or loss.",
+                "description": "A NaN reward or loss poisons the update; check the reward functions and the "
+                               "learning rate."}}]}],
+    }]}
+    test_file = rules_file.with_name("nan-export-test.yaml")
+    test_file.write_text(yaml.safe_dump(tests, sort_keys=False))
+    result = subprocess.run([str(chart_tools.promtool), "test", "rules", str(test_file)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"promtool test rules:\n{result.stdout}{result.stderr}"
 
 
 def test_alert_rules_name_only_exported_metrics(rules_file: Path) -> None:

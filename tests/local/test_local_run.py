@@ -117,7 +117,9 @@ def test_killing_the_server_mid_run_starts_a_new_attempt_with_a_fresh_server(
     tmp_path: Path, tiny_model_dir: Path, tiny_dataset: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    proc = grpo_run(run_file(tmp_path, tiny_model_dir, tiny_dataset, maxSteps=6), run_dir)
+    # The trainer gives up on a dead server after generationTimeoutSeconds; the attempt then fails.
+    path = run_file(tmp_path, tiny_model_dir, tiny_dataset, maxSteps=6, generationTimeoutSeconds=15)
+    proc = grpo_run(path, run_dir)
     try:
         wait_for(lambda: progress_step(run_dir) >= 2, 300, "two trained steps")
         server = next(c for c in children(run_dir) if c["role"] == "server" and c["attempt"] == 1)

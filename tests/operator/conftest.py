@@ -130,6 +130,16 @@ class OperatorProcess:
     def metrics_text(self) -> str:
         return httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
 
+    def sample(self, name: str, **labels: str) -> float | None:
+        """The value of one series on /metrics (None when the operator exports no such series)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        for family in text_string_to_metric_families(self.metrics_text()):
+            for sample in family.samples:
+                if sample.name == name and sample.labels == labels:
+                    return float(sample.value)
+        return None
+
     def metric_sum(self, name: str) -> float:
         """Sum of every sample of one metric (all label sets)."""
         total = 0.0
@@ -181,6 +191,7 @@ class Kube:
         self.apps = client.AppsV1Api(self.api)
         self.batch = client.BatchV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
+        self.networking = client.NetworkingV1Api(self.api)
 
     # -- runs
 

@@ -50,18 +50,33 @@ def test_new_run_gets_every_child_with_expected_fields_and_no_job_while_server_u
     assert {m.mount_path for m in server.volume_mounts} >= {"/dev/shm", "/data", "/cache", "/etc/grpo"}
     assert pod.node_selector == {"gpu": "yes"} and pod.security_context.run_as_non_root is True
 
+    policy = kube.networking.read_namespaced_network_policy("r1-server", kube.namespace)
     owned = [
         deployment,
         kube.core.read_namespaced_service("r1-server", kube.namespace),
         kube.core.read_namespaced_config_map("r1-config", kube.namespace),
         kube.core.read_namespaced_secret("r1-token", kube.namespace),
         kube.core.read_namespaced_persistent_volume_claim("r1-data", kube.namespace),
+        policy,
     ]
     for obj in owned:
         refs = obj.metadata.owner_references
         assert [(r.kind, r.uid, r.controller) for r in refs] == [("GRPORun", uid, True)], obj.kind
         assert obj.metadata.labels["grpo.dev/run"] == "r1"
     assert "run-config.yaml" in owned[2].data
+    # The server's NetworkPolicy: its pods, on the server port, from the run's trainers and the operator.
+    assert policy.spec.policy_types == ["Ingress"]
+    assert policy.spec.pod_selector.match_labels == spec.selector.match_labels
+    assert spec.template.metadata.labels.items() >= policy.spec.pod_selector.match_labels.items()
+    (rule,) = policy.spec.ingress
+    assert [(p.protocol, p.port) for p in rule.ports] == [("TCP", 8000)]
+    trainers, operator_peer = rule._from
+    assert trainers.namespace_selector is None
+    assert trainers.pod_selector.match_labels == {"grpo.dev/run": "r1", "grpo.dev/component": "trainer"}
+    assert operator_peer.namespace_selector is not None, "an empty namespaceSelector: any namespace"
+    assert not operator_peer.namespace_selector.match_labels
+    assert operator_peer.pod_selector.match_labels == {"app.kubernetes.io/name": "grpo-operator",
+                                                       "app.kubernetes.io/component": "operator"}
     assert owned[4].spec.resources.requests["storage"] == "3Gi"
 
     # The server never answers: several reconciles later there is still no trainer Job.
@@ -75,6 +90,43 @@ def test_new_run_gets_every_child_with_expected_fields_and_no_job_while_server_u
     assert operator.forbidden_lines() == []
 
 
+def test_server_pod_trouble_is_shown_on_the_run_and_cleared_when_it_passes(
+    operator: OperatorProcess, kube: Kube
+) -> None:
+    kube.create_run("stuck")  # no server-url override: the operator waits for a Ready pod
+    kube.wait_phase("stuck", "StartingServer", reason="ServerStarting")
+    (pod,) = wait_for(lambda: kube.server_pods("stuck"), what="the ReplicaSet controller to create the server pod")
+    unschedulable = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
+    # Play the scheduler: no node has a free GPU.
+    kube.core.patch_namespaced_pod_status(pod.metadata.name, kube.namespace, {"status": {"conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": unschedulable}]}})
+    server = wait_for(lambda: (s := kube.status("stuck").get("server", {})).get("message") and s,
+                      what="status.server.message to show the pod's trouble")
+    assert server["message"] == f"pod {pod.metadata.name}: Unschedulable: {unschedulable}"
+    status = kube.status("stuck")
+    assert status["phase"] == "StartingServer" and "Unschedulable" in status["message"]
+    kube.core.patch_namespaced_pod_status(pod.metadata.name, kube.namespace, {"status": {"conditions": [
+        {"type": "PodScheduled", "status": "True"}]}})
+    wait_for(lambda: "message" not in kube.status("stuck").get("server", {}),
+             what="status.server.message to clear once the pod is scheduled")
+
+
+def test_operator_without_network_policy_creates_none(
+    control_plane: ControlPlane, operator_kubeconfig: Path, kube: Kube, tmp_path: Path
+) -> None:
+    plain = OperatorProcess(namespace=kube.namespace, kubeconfig=operator_kubeconfig, log_path=tmp_path / "op.log",
+                            extra_args=("--no-network-policy",))
+    plain.start()
+    try:
+        kube.create_run("open", server_url=UNREACHABLE)
+        kube.wait_phase("open", "StartingServer", reason="ServerStarting")
+        assert kube.core.read_namespaced_service("open-server", kube.namespace) is not None
+        assert kube.networking.list_namespaced_network_policy(kube.namespace).items == []
+    finally:
+        control_plane.kubectl("delete", "grporuns", "--all", "-n", kube.namespace, "--wait=true", "--timeout=60s")
+        plain.stop()
+
+
 def test_colocate_run_gets_only_the_trainer_job(operator: OperatorProcess, kube: Kube) -> None:
     kube.create_run("co", mode="colocate", server=None)
     kube.wait_phase("co", "Training")
@@ -84,6 +136,7 @@ def test_colocate_run_gets_only_the_trainer_job(operator: OperatorProcess, kube:
     assert kube.deployment("co-server") is None
     services = kube.core.list_namespaced_service(kube.namespace, label_selector="grpo.dev/run=co").items
     assert services == []
+    assert kube.networking.list_namespaced_network_policy(kube.namespace).items == [], "no server to guard"
 
 
 def test_run_name_that_cannot_name_children_fails_with_invalid_spec(operator: OperatorProcess, kube: Kube) -> None:

@@ -1,4 +1,5 @@
-"""Pure parts of the operator that need no cluster: child summaries, status patches, RBAC, CLI flags."""
+"""Pure parts of the operator that need no cluster: child summaries, status patches, RBAC, CLI flags,
+per-run metric series."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from prometheus_client import REGISTRY, generate_latest
 
 from grpo_api.lifecycle import TrainerState
-from grpo_operator import children, rbac
+from grpo_operator import builders, children, metrics, rbac
 from grpo_operator.cli import operator
-from grpo_operator.reconcile import FAILED_ATTEMPTS_ANNOTATION, _failed_attempts, merge_patch
+from grpo_operator.reconcile import merge_patch, server_trouble
 
 
 def owned(uid: str = "run-uid") -> list[dict[str, Any]]:
@@ -115,10 +117,79 @@ def test_merge_patch_removes_dropped_keys_and_replaces_lists() -> None:
     assert merge_patch(new, new) == {}
 
 
-def test_failed_attempts_annotation_is_read_as_a_set() -> None:
-    meta = {"annotations": {FAILED_ATTEMPTS_ANNOTATION: "3,1,3, x"}}
-    assert _failed_attempts(meta) == (1, 3)
-    assert _failed_attempts({}) == ()
+def server_pod(attempt: int, status: dict[str, Any]) -> children.PodInfo:
+    return children.pod_info({"metadata": {"name": f"r-server-{attempt}", "labels": {"grpo.dev/component": "server"},
+                                           "annotations": {"grpo.dev/attempt": str(attempt)}}, "status": status})
+
+
+def test_server_trouble_names_the_current_attempts_pod_or_its_deployment() -> None:
+    unschedulable = {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                     "message": "0/3 nodes are available"}]}
+    pulling = {"containerStatuses": [{"state": {"waiting": {"reason": "ImagePullBackOff", "message": "no image"}}}]}
+    snap = children.snapshot("", [server_pod(1, pulling), server_pod(2, unschedulable)], [], [])
+    assert server_trouble(snap, 2) == "pod r-server-2: Unschedulable: 0/3 nodes are available"
+    assert server_trouble(snap, 1) == "pod r-server-1: ImagePullBackOff: no image"
+    assert server_trouble(snap, 3) == ""
+    quota = children.deployment_info({
+        "metadata": {"name": "r-server", "ownerReferences": owned()},
+        "spec": {"replicas": 1, "template": {"metadata": {"annotations": {"grpo.dev/attempt": "3"}}}},
+        "status": {"conditions": [{"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
+                                   "message": 'pods "r-server-x" is forbidden: exceeded quota: gpu'}]},
+    })
+    snap = children.snapshot("run-uid", [], [quota], [])
+    assert server_trouble(snap, 3) == (
+        'deployment r-server: FailedCreate: pods "r-server-x" is forbidden: exceeded quota: gpu')
+
+
+def series(name: str, **labels: str) -> float | None:
+    value: float | None = REGISTRY.get_sample_value(name, labels)
+    return value
+
+
+def test_a_run_has_one_phase_series_and_its_series_go_when_it_is_forgotten() -> None:
+    run = {"namespace": "units-ns", "grporun": "units-run"}
+    metrics.set_run("units-ns", "units-run", "StartingServer", 1)
+    metrics.set_run("units-ns", "units-run", "Training", 2)
+    metrics.count_run_failure("units-ns", "units-run", "TrainerFailed")
+    assert series("grpo_operator_run_phase", **run, phase="Training") == 1
+    assert series("grpo_operator_run_phase", **run, phase="StartingServer") is None
+    assert series("grpo_operator_run_attempt", **run) == 2
+    assert series("grpo_operator_run_failures_total", **run, reason="TrainerFailed") == 1
+    metrics.set_run("units-ns", "other-run", "Training", 1)
+    metrics.forget_run("units-ns", "units-run")
+    assert "units-run" not in generate_latest(REGISTRY).decode()
+    assert series("grpo_operator_run_phase", namespace="units-ns", grporun="other-run", phase="Training") == 1
+    metrics.forget_run("units-ns", "other-run")
+
+
+def test_operator_flags_configure_the_run_network_policy() -> None:
+    params = operator.make_context("operator", [
+        "-n", "a", "--operator-pod-selector", "app.kubernetes.io/name=grpo,app.kubernetes.io/instance=x",
+        "--operator-namespace-selector", "kubernetes.io/metadata.name=grpo-system",
+        "--scraper-namespace-selector", "", "--scraper-pod-selector", "app.kubernetes.io/name=prometheus",
+    ]).params
+    assert params["network_policy"] is True
+    assert params["operator_pod_selector"] == {"app.kubernetes.io/name": "grpo", "app.kubernetes.io/instance": "x"}
+    assert params["operator_namespace_selector"] == {"kubernetes.io/metadata.name": "grpo-system"}
+    assert params["scraper_namespace_selector"] == {} and params["scraper_pod_selector"] == {
+        "app.kubernetes.io/name": "prometheus"}
+    defaults = operator.make_context("operator", ["-n", "a"]).params
+    assert defaults["operator_pod_selector"] == builders.DEFAULT_OPERATOR_POD_LABELS
+    assert defaults["operator_namespace_selector"] == {} and defaults["scraper_namespace_selector"] is None
+    assert operator.make_context("operator", ["-n", "a", "--no-network-policy"]).params["network_policy"] is False
+
+
+def test_operator_selector_flags_come_from_the_environment_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRPO_OPERATOR_POD_SELECTOR", "team=ml")
+    monkeypatch.setenv("GRPO_NETWORK_POLICY", "false")
+    params = operator.make_context("operator", ["-n", "a"]).params
+    assert params["operator_pod_selector"] == {"team": "ml"} and params["network_policy"] is False
+
+
+def test_a_bad_selector_flag_is_refused_naming_the_flag() -> None:
+    result = CliRunner().invoke(operator, ["-n", "a", "--operator-pod-selector", "app name"])
+    assert result.exit_code == 2
+    assert "--operator-pod-selector" in result.output and "'app name'" in result.output
 
 
 def test_rbac_renders_cluster_wide_and_per_namespace_roles_from_one_rule_list() -> None:
@@ -132,6 +203,7 @@ def test_rbac_renders_cluster_wide_and_per_namespace_roles_from_one_rule_list() 
     verbs = {(g, r): set(rule["verbs"]) for rule in rbac.RULES for g in rule["apiGroups"] for r in rule["resources"]}
     assert "update" not in verbs[("apps", "deployments")] and "*" not in set().union(*verbs.values())
     assert verbs[("", "secrets")] == {"create"}, "the operator never reads Secrets"
+    assert verbs[("networking.k8s.io", "networkpolicies")] == {"create"}, "garbage collection deletes them"
 
 
 @pytest.mark.parametrize("args", [[], ["-n", "a", "--all-namespaces"]])

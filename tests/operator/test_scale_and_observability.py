@@ -16,9 +16,9 @@ from tests.operator.conftest import Kube, OperatorProcess
 pytestmark = pytest.mark.controlplane
 
 RUNS = 50
-#: Provisioning (ConfigMap, Secret, PVC, Service, Deployment), two status writes and their two
-#: events is 9 requests per run; a little slack for refreshing a stale cached run.
-MAX_REQUESTS_PER_RUN = 12
+#: Provisioning (ConfigMap, Secret, PVC, Service, NetworkPolicy, Deployment), two status writes and
+#: their two events is 10 requests per run; a little slack for refreshing a stale cached run.
+MAX_REQUESTS_PER_RUN = 13
 
 
 def test_fifty_runs_created_at_once_all_reach_waiting_for_server(
@@ -67,8 +67,25 @@ def test_metrics_and_liveness_endpoints_report_the_operator(operator: OperatorPr
     assert operator.metric_sum("grpo_operator_attempts_total") >= 1
     assert 'grpo_operator_failures_total{reason="ServerNotReady"} 1.0' in text
     assert 'grpo_operator_runs{phase="Failed"} 1.0' in text
+    run = {"namespace": kube.namespace, "grporun": "observed"}
+    assert operator.sample("grpo_operator_run_phase", **run, phase="Failed") == 1
+    assert operator.sample("grpo_operator_run_phase", **run, phase="StartingServer") is None, "one phase series"
+    assert operator.sample("grpo_operator_run_attempt", **run) == 1
+    assert operator.sample("grpo_operator_run_failures_total", **run, reason="ServerNotReady") == 1
 
     probe = httpx.get(f"http://127.0.0.1:{operator.liveness_port}/healthz", timeout=5)
     assert probe.status_code == 200
     age = probe.json()["secondsSinceLastReconcile"]
     assert 0 <= age < 30
+
+
+def test_a_deleted_runs_metric_series_go_with_it(operator: OperatorProcess, kube: Kube) -> None:
+    kube.create_run("short-lived", server_url="http://127.0.0.1:9")
+    kube.wait_phase("short-lived", "StartingServer", reason="ServerStarting")
+    run = {"namespace": kube.namespace, "grporun": "short-lived"}
+    wait_for(lambda: operator.sample("grpo_operator_run_phase", **run, phase="StartingServer") == 1,
+             what="the run's phase series")
+    assert operator.sample("grpo_operator_run_attempt", **run) == 1
+    kube.custom.delete_namespaced_custom_object("grpo.dev", "v1alpha1", kube.namespace, "grporuns", "short-lived")
+    wait_for(lambda: "short-lived" not in operator.metrics_text(), timeout=30,
+             what="every series of the deleted run to leave /metrics")

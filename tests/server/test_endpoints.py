@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +15,10 @@ import pytest
 from grpo_api.fingerprint import model_fingerprint
 from grpo_api.protocol import ADAPTER_VERSION_HEADER, BOOT_ID_HEADER, HealthResponse
 from grpo_server.metrics import METRIC_NAMES
-from tests.fixtures.server import RunningServer
+from tests.fixtures.server import ENV_ENGINE, RunningServer
+
+#: The engine the server tests run on (transformers here; vllm on the GPU machine).
+SERVED_ENGINE = os.environ.get(ENV_ENGINE, "transformers")
 
 TRL_PAYLOAD: dict[str, Any] = {
     "prompt": [[9, 10, 11], [300, 301, 302, 303]],
@@ -56,7 +60,7 @@ def test_health_reports_identity_fingerprint_and_no_adapter(tiny_server, served_
         health = HealthResponse.model_validate(response.json())
         assert health.status == "ok"
         assert health.model == "tiny"
-        assert health.engine == "transformers"
+        assert health.engine == SERVED_ENGINE
         assert health.model_fingerprint == model_fingerprint(served_model_dir)
         assert health.adapter is None and health.progress is None
         assert re.fullmatch(r"[0-9a-f]{32}", health.boot_id)
@@ -74,7 +78,7 @@ def test_models_lists_the_served_name_first_then_the_base_alias(tiny_server):
 def test_server_info_json_reports_processed_logprobs(tiny_server):
     body = get(tiny_server, "/server_info", params={"config_format": "json"}).json()
     assert body["vllm_config"]["model_config"]["logprobs_mode"] == "processed_logprobs"
-    assert body["engine"] == "transformers"
+    assert body["engine"] == SERVED_ENGINE
     assert isinstance(get(tiny_server, "/server_info").json()["vllm_config"], str)
 
 

@@ -50,6 +50,7 @@ def all_children(run: GRPORun) -> list[dict[str, Any]]:
         b.build_config_map(run),
         b.build_token_secret(run, "t0ken"),
         b.build_service(run),
+        b.build_network_policy(run, b.ServerIngress()),
         b.build_server_deployment(run, 1, 1),
         b.build_trainer_job(run, 1),
     ]
@@ -137,6 +138,73 @@ def test_service_selects_the_server_pods_on_the_http_port() -> None:
     assert service["spec"]["ports"] == [
         {"name": "http", "port": 9000, "targetPort": "http", "protocol": "TCP"}
     ]
+
+
+def matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """What a NetworkPolicy label selector (matchLabels only) selects."""
+    assert set(selector) <= {"matchLabels"}, selector
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def pod_labels(obj: dict[str, Any]) -> dict[str, str]:
+    labels: dict[str, str] = obj["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def test_network_policy_admits_only_the_runs_trainer_and_the_operator_to_the_server_port() -> None:
+    run = make_run(server={"port": 9000})
+    other = make_run("r2")
+    policy = b.build_network_policy(run, b.ServerIngress())
+    assert policy["apiVersion"] == "networking.k8s.io/v1" and policy["kind"] == "NetworkPolicy"
+    assert policy["metadata"]["name"] == "r1-server" and policy["metadata"]["namespace"] == "team"
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    assert matches(spec["podSelector"], pod_labels(b.build_server_deployment(run, 3, 1)))
+    assert not matches(spec["podSelector"], pod_labels(b.build_server_deployment(other, 1, 1)))
+    assert not matches(spec["podSelector"], pod_labels(b.build_trainer_job(run, 1)))
+    (rule,) = spec["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 9000}]
+    trainers, operator = rule["from"]
+    assert trainers.keys() == {"podSelector"}, "no namespaceSelector: the run's own namespace only"
+    assert matches(trainers["podSelector"], pod_labels(b.build_trainer_job(run, 2)))
+    assert not matches(trainers["podSelector"], pod_labels(b.build_trainer_job(other, 1)))
+    assert not matches(trainers["podSelector"], pod_labels(b.build_server_deployment(run, 1, 1)))
+    assert operator == {"namespaceSelector": {},
+                        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "grpo-operator",
+                                                        "app.kubernetes.io/component": "operator"}}}
+
+
+def test_network_policy_takes_the_operator_and_scraper_selectors_it_is_given() -> None:
+    ingress = b.ServerIngress(
+        operator_pods={"app": "op"},
+        operator_namespaces={"kubernetes.io/metadata.name": "grpo-system"},
+        scraper_namespaces={"monitoring": "yes"},
+        scraper_pods={"app.kubernetes.io/name": "prometheus"},
+    )
+    peers = b.build_network_policy(make_run(), ingress)["spec"]["ingress"][0]["from"]
+    assert peers[1:] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "grpo-system"}},
+         "podSelector": {"matchLabels": {"app": "op"}}},
+        {"namespaceSelector": {"matchLabels": {"monitoring": "yes"}},
+         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}},
+    ]
+    anywhere = b.build_network_policy(make_run(), b.ServerIngress(scraper_namespaces={}))
+    assert anywhere["spec"]["ingress"][0]["from"][2] == {"namespaceSelector": {}, "podSelector": {}}
+
+
+@pytest.mark.parametrize(("text", "labels"), [
+    ("", {}),
+    ("a=b", {"a": "b"}),
+    (" app.kubernetes.io/name=grpo-operator , tier= ", {"app.kubernetes.io/name": "grpo-operator", "tier": ""}),
+])
+def test_label_selector_text_parses_into_match_labels(text: str, labels: dict[str, str]) -> None:
+    assert b.parse_label_selector(text) == labels
+
+
+@pytest.mark.parametrize("text", ["a", "a==b", "=b", "a=b c", "Bad_/x=1", "a=" + "v" * 64])
+def test_label_selector_text_that_kubernetes_would_refuse_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        b.parse_label_selector(text)
 
 
 def test_server_deployment_is_one_recreated_gpu_pod_with_shm_probes_and_mounts() -> None:

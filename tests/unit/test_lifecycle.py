@@ -86,8 +86,9 @@ def status(
     start: float | None = 0.0,
     completed: float | None = None,
     reason: str | None = None,
+    failed: int = 0,
 ) -> GRPORunStatus:
-    st = GRPORunStatus(phase=phase, attempt=attempt, reason=reason)
+    st = GRPORunStatus(phase=phase, attempt=attempt, reason=reason, failed_attempts=failed)
     st.server.boot_id = boot_id
     st.server.ready = ready
     if phase != Phase.PENDING:
@@ -113,12 +114,11 @@ class Case:
     status: GRPORunStatus
     obs: Observation
     spec: GRPORunSpec = field(default_factory=make_spec)
-    failed: tuple[int, ...] = ()
     phase: Phase = Phase.PENDING
     reason: str = ""
     actions: list[object] = field(default_factory=list)
     attempt: int | None = None
-    failed_after: tuple[int, ...] | None = None
+    failed_after: int | None = None
     events: list[tuple[str, str]] | None = None
     message_has: str = ""
 
@@ -215,7 +215,7 @@ CASES = [
         phase=Phase.STARTING_SERVER,
         reason=Reason.RETRYING,
         attempt=2,
-        failed_after=(1,),
+        failed_after=1,
         actions=[EnsureServer(1, 1), Provision(), EnsureServer(2, 1)],
         events=[("Warning", Reason.SERVER_NOT_READY), ("Warning", Reason.RETRYING)],
     ),
@@ -226,20 +226,19 @@ CASES = [
         spec=make_spec(serverReadyTimeoutSeconds=60, backoffLimit=0),
         phase=Phase.FAILED,
         reason=Reason.SERVER_NOT_READY,
-        failed_after=(1,),
+        failed_after=1,
         actions=[EnsureServer(1, 1), StopServer()],
         events=[("Warning", Reason.SERVER_NOT_READY)],
         message_has="serverReadyTimeoutSeconds (60s)",
     ),
     Case(
         "waiting on an old server still counts toward the server deadline",
-        status(Phase.STARTING_SERVER, 2, attempt_started=0),
+        status(Phase.STARTING_SERVER, 2, attempt_started=0, failed=1),
         Observation(now=at(61), older_servers_alive=1),
         spec=make_spec(serverReadyTimeoutSeconds=60, backoffLimit=0),
-        failed=(1,),
         phase=Phase.FAILED,
         reason=Reason.SERVER_NOT_READY,
-        failed_after=(1, 2),
+        failed_after=2,
     ),
     Case(
         "failed trainer starts the next attempt with a fresh server first",
@@ -249,33 +248,32 @@ CASES = [
         phase=Phase.STARTING_SERVER,
         reason=Reason.RETRYING,
         attempt=2,
-        failed_after=(1,),
+        failed_after=1,
         actions=[EnsureServer(1, 1), Provision(), EnsureServer(2, 1)],
         events=[("Warning", Reason.TRAINER_FAILED), ("Warning", Reason.RETRYING)],
     ),
     Case(
         "failed trainer with the backoff limit used up fails the run",
-        status(Phase.TRAINING, 3, boot_id="boot-3", ready=True),
+        status(Phase.TRAINING, 3, boot_id="boot-3", ready=True, failed=2),
         Observation(now=at(30), trainer=TrainerState.FAILED, trainer_message="OOM"),
         spec=make_spec(backoffLimit=2),
-        failed=(1, 2),
         phase=Phase.FAILED,
         reason=Reason.BACKOFF_LIMIT_EXCEEDED,
-        failed_after=(1, 2, 3),
+        failed_after=3,
         actions=[EnsureServer(3, 1), StopServer()],
         message_has="OOM",
         events=[("Warning", Reason.TRAINER_FAILED), ("Warning", Reason.BACKOFF_LIMIT_EXCEEDED)],
     ),
     Case(
-        "a failure recorded already is not counted twice",
-        status(Phase.TRAINING, 1, boot_id="boot-1", ready=True),
+        "the failure count, not the attempt number, meets the backoff limit (a suspended attempt is no failure)",
+        status(Phase.TRAINING, 3, boot_id="boot-3", ready=True, failed=1),
         Observation(now=at(30), trainer=TrainerState.FAILED),
-        spec=make_spec(backoffLimit=1),
-        failed=(1,),
+        spec=make_spec(backoffLimit=2),
         phase=Phase.STARTING_SERVER,
         reason=Reason.RETRYING,
-        attempt=2,
-        failed_after=(1,),
+        attempt=4,
+        failed_after=2,
+        message_has="retry 2 of 2",
     ),
     Case(
         "trainer that vanished counts as a failed attempt",
@@ -284,7 +282,7 @@ CASES = [
         phase=Phase.STARTING_SERVER,
         reason=Reason.RETRYING,
         attempt=2,
-        failed_after=(1,),
+        failed_after=1,
         message_has="attempt 1",
     ),
     Case(
@@ -352,7 +350,7 @@ CASES = [
         phase=Phase.STARTING_SERVER,
         reason=Reason.RESUMED,
         attempt=2,
-        failed_after=(),
+        failed_after=0,
         actions=[Provision(), EnsureServer(2, 1)],
         events=[("Normal", Reason.RESUMED)],
     ),
@@ -418,7 +416,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_transition(case: Case) -> None:
     before = case.status.model_dump()
-    decision = decide(case.spec, case.status, case.obs, failed_attempts=case.failed, generation=1)
+    decision = decide(case.spec, case.status, case.obs, generation=1)
     assert case.status.model_dump() == before, "decide must not mutate its input"
     assert decision.status.phase == case.phase
     assert decision.status.reason == case.reason
@@ -427,7 +425,7 @@ def test_transition(case: Case) -> None:
     if case.attempt is not None:
         assert decision.status.attempt == case.attempt
     if case.failed_after is not None:
-        assert decision.failed_attempts == case.failed_after
+        assert decision.status.failed_attempts == case.failed_after
     if case.events is not None:
         assert events(decision) == case.events
     if case.message_has:
@@ -460,9 +458,42 @@ def test_next_attempt_keeps_the_old_boot_id_so_the_old_server_cannot_pass() -> N
         make_spec(),
         failed.status,
         Observation(now=at(31), health=healthy("boot-1")),
-        failed_attempts=failed.failed_attempts,
     )
     assert again.status.phase == Phase.STARTING_SERVER and not again.of_type(CreateTrainer)
+
+
+def test_server_pod_trouble_is_recorded_on_the_server_and_cleared_once_gone() -> None:
+    trouble = "r-server-abc: Unschedulable: 0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
+    waiting = decide(
+        make_spec(),
+        status(Phase.STARTING_SERVER, 1),
+        Observation(now=at(5), health=UNREACHABLE, server_message=trouble),
+    )
+    assert waiting.status.server.message == trouble
+    assert waiting.status.phase == Phase.STARTING_SERVER, "trouble alone does not fail the attempt"
+    assert waiting.status.message, "the phase message stays"
+    cleared = decide(make_spec(), waiting.status, Observation(now=at(7), health=UNREACHABLE))
+    assert cleared.status.server.message is None
+
+
+def test_server_trouble_seen_during_training_is_recorded_and_a_new_attempt_starts_without_it() -> None:
+    training = decide(
+        make_spec(backoffLimit=1),
+        status(Phase.TRAINING, 1, boot_id="boot-1", ready=True),
+        Observation(now=at(30), health=UNREACHABLE, trainer=TrainerState.ACTIVE,
+                    server_message="r-server-abc: CrashLoopBackOff: back-off 5m0s"),
+    )
+    assert training.status.server.message == "r-server-abc: CrashLoopBackOff: back-off 5m0s"
+    retry = decide(make_spec(backoffLimit=1), training.status,
+                   Observation(now=at(40), trainer=TrainerState.FAILED, server_message="still crashing"))
+    assert retry.status.attempt == 2 and retry.status.server.message is None
+
+
+def test_failed_attempt_count_is_written_on_the_status_in_camel_case() -> None:
+    failed = decide(make_spec(backoffLimit=3), status(Phase.TRAINING, 1, boot_id="boot-1", ready=True),
+                    Observation(now=at(30), trainer=TrainerState.FAILED))
+    assert failed.status.to_wire()["failedAttempts"] == 1
+    assert GRPORunStatus.model_validate({"failedAttempts": 2}).failed_attempts == 2
 
 
 def test_training_records_adapter_and_progress_from_health() -> None:
@@ -629,12 +660,12 @@ def test_health_is_wanted_only_while_a_server_should_be_serving(
 def test_whole_run_one_failure_then_success() -> None:
     """Walk a run the way an executor would: act, observe, decide again."""
     spec = make_spec(backoffLimit=1)
-    st, failed, phases = GRPORunStatus(), (), []
+    st, phases = GRPORunStatus(), []
 
     def step(now: float, **obs: Any) -> Decision:
-        nonlocal st, failed
-        d = decide(spec, st, Observation(now=at(now), **obs), failed_attempts=failed)
-        st, failed = d.status, d.failed_attempts
+        nonlocal st
+        d = decide(spec, st, Observation(now=at(now), **obs))
+        st = d.status
         phases.append((d.status.phase, d.status.attempt))
         return d
 
@@ -647,7 +678,8 @@ def test_whole_run_one_failure_then_success() -> None:
     assert not step(32, health=healthy("boot-1", adapter=2)).of_type(CreateTrainer)
     assert CreateTrainer(2) in step(35, health=healthy("boot-2")).actions
     done = step(60, health=healthy("boot-2", adapter=9), trainer=TrainerState.SUCCEEDED)
-    assert done.status.phase == Phase.SUCCEEDED and done.status.attempt == 2 and failed == (1,)
+    assert done.status.phase == Phase.SUCCEEDED and done.status.attempt == 2
+    assert done.status.failed_attempts == 1
     assert [p for p, _ in phases] == [
         Phase.STARTING_SERVER,
         Phase.STARTING_SERVER,

@@ -12,7 +12,8 @@ from grpo_local.processes import Child
 # A child that starts a grandchild ignoring SIGTERM (like an engine core stuck in CUDA) and waits.
 SCRIPT = """
 import signal, subprocess, sys, time
-subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+subprocess.Popen([sys.executable, "-c",
+                  "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
 print("started", flush=True)
 time.sleep(600)
 """

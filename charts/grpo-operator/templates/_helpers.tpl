@@ -67,17 +67,13 @@ app.kubernetes.io/part-of: grpo-operator
 {{- end -}}
 {{- end -}}
 
-{{/* The namespaces that get per-namespace objects (NetworkPolicy), as a JSON list. */}}
-{{- define "grpo-operator.runNamespaces" -}}
-{{- if eq .Values.watch.mode "cluster" -}}
-{{- if .Values.networkPolicy.namespaces -}}
-{{- .Values.networkPolicy.namespaces | uniq | toJson -}}
-{{- else -}}
-{{- list .Release.Namespace | toJson -}}
+{{/* A map of labels as a `grpo operator` selector flag value: k=v,k2=v2 (sorted by key). */}}
+{{- define "grpo-operator.selectorFlag" -}}
+{{- $parts := list -}}
+{{- range $key, $value := . -}}
+{{- $parts = append $parts (printf "%s=%s" $key $value) -}}
 {{- end -}}
-{{- else -}}
-{{- include "grpo-operator.watchedNamespaces" . -}}
-{{- end -}}
+{{- join "," $parts -}}
 {{- end -}}
 
 {{/* Where the Prometheus operator should look for run pods (PodMonitor namespaceSelector). */}}

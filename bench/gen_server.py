@@ -1,0 +1,345 @@
+"""Generation through our server vs the same engine without HTTP, and adapter sync under load.
+
+Two phases, each its own process so every engine gets the GPU to itself:
+
+    python bench/gen_server.py direct --model M --adapter A --out $OUT/gen_direct.json
+    python bench/gen_server.py http   --model M --adapter A --out $OUT/gen_http.json [--direct $OUT/gen_direct.json]
+
+`direct` drives `grpo_server.engines.vllm_engine.VllmEngine` in-process (what the
+server does, minus HTTP and JSON). `http` starts `grpo serve` (vllm engine), loads
+the r=32 adapter through the real trigger, sends the GRPO-shaped workload as
+concurrent `/v1/completions` requests with logprobs (TRL's shape), then runs the
+adapter-sync benchmark: 20 versions published (save + manifest + atomic rename) and
+triggered while generation traffic runs, each timed to the first token on the new
+version; every response's adapter tag is checked. The full-reload baseline is the
+time to save merged weights plus to start a fresh server until healthy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workload import Workload, dump, figure, grpo_shaped, machine
+
+from grpo_api.adapters import build_manifest, fsync_tree, version_dir, write_manifest
+from grpo_api.fingerprint import model_fingerprint
+from grpo_api.models import GRPORun, ServerSpec
+from grpo_api.runconfig import run_config_for
+
+TOKEN = "bench-token"
+SERVER = {"engine": "vllm", "maxLoras": 4, "maxLoraRank": 32, "gpuMemoryUtilization": 0.6, "maxModelLen": 2048,
+          "dtype": "bfloat16"}
+
+
+def server_spec() -> ServerSpec:
+    return ServerSpec.model_validate(SERVER)
+
+
+# ------------------------------------------------------------------------------------------- direct
+
+
+async def direct(model: Path, adapter: Path, work: Workload) -> dict[str, Any]:
+    from grpo_server.engines.base import AdapterHandle, SamplingOptions
+    from grpo_server.engines.vllm_engine import VllmEngine
+
+    engine = VllmEngine(model, "bench", server_spec())
+    t0 = time.perf_counter()
+    await engine.start()
+    start_s = time.perf_counter() - t0
+    handle = AdapterHandle("policy-v1", 1, str(adapter))
+    await engine.add_adapter(handle)
+
+    async def one(i: int, ids: list[int], max_tokens: int) -> int:
+        options = SamplingOptions(n=work.n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=i)
+        [result] = await engine.generate([ids], options, handle)
+        assert all(len(c.logprobs) == len(c.token_ids) for c in result.completions)
+        return sum(len(c.token_ids) for c in result.completions)
+
+    async def run(w: Workload) -> dict[str, float]:
+        t = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one(i, p, m) for i, (p, m) in enumerate(zip(w.prompts, w.max_tokens,
+                                                                                           strict=True)))))
+        wall = time.perf_counter() - t
+        return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall}
+
+    await run(work.subset(8))  # warm-up
+    result = await run(work)
+    await engine.shutdown()
+    return {"engine_start_s": start_s, "lora_logprobs": result}
+
+
+# --------------------------------------------------------------------------------------------- http
+
+
+def start_server(model: Path, work_dir: Path, port: int) -> tuple[subprocess.Popen[bytes], Path, float]:
+    run = GRPORun.model_validate({
+        "metadata": {"name": "bench"},
+        "spec": {"model": {"name": "bench", "path": str(model)}, "dataset": {"path": "/dev/null"},
+                 "rewards": [{"function": "token_fraction"}], "server": SERVER,
+                 "trainer": {"lora": {"r": 32, "alpha": 64}}},
+    })
+    work_dir.mkdir(parents=True, exist_ok=True)
+    token_file = work_dir / "token"
+    token_file.write_text(TOKEN)
+    cfg = run_config_for(run, volume_root=work_dir / "vol", server_url=f"http://127.0.0.1:{port}",
+                         token_file=str(token_file))
+    config_path = work_dir / "run-config.yaml"
+    config_path.write_text(cfg.to_yaml())
+    log = (work_dir / "server.log").open("wb")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "grpo_cli.main", "serve", "--config", str(config_path), "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    deadline = time.monotonic() + 480
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode}; see {work_dir / 'server.log'}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health/", timeout=2).status_code == 200:
+                return proc, Path(cfg.paths.adapter_root), time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("server not healthy in 480 s")
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def publish(adapter_src: Path, root: Path, version: int, fingerprint: str) -> tuple[Path, str, float]:
+    """What the trainer does: write into a temp dir under the root, fsync, manifest, atomic rename."""
+    t0 = time.perf_counter()
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".v{version}-", dir=root))
+    for f in adapter_src.iterdir():
+        shutil.copyfile(f, tmp / f.name)
+    fsync_tree(tmp)
+    manifest = build_manifest(tmp, version=version, step=version, base_model_fingerprint=fingerprint)
+    write_manifest(tmp, manifest)
+    final = version_dir(root, version)
+    os.replace(tmp, final)
+    return final, manifest.digest(), time.perf_counter() - t0
+
+
+async def http_bench(
+    model: Path, adapter: Path, work: Workload, work_dir: Path, port: int, syncs: int
+) -> dict[str, Any]:
+    proc, root, start_s = start_server(model, work_dir, port)
+    base = f"http://127.0.0.1:{port}"
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    fingerprint = model_fingerprint(model)
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=600, limits=httpx.Limits(max_connections=256)) as client:
+            path, digest, _ = publish(adapter, root, 1, fingerprint)
+            r = await client.post("/set_lora_adapter/", json={"path": str(path), "version": 1, "sha256": digest},
+                                  headers=headers)
+            r.raise_for_status()
+
+            async def one(i: int, ids: list[int], max_tokens: int) -> tuple[int, int | None]:
+                body = {"model": "bench", "prompt": [ids], "n": work.n, "max_tokens": max_tokens,
+                        "temperature": 1.0, "logprobs": 0, "return_token_ids": True,
+                        "return_tokens_as_token_ids": True, "ignore_eos": True, "seed": i}
+                resp = await client.post("/v1/completions", json=body)
+                resp.raise_for_status()
+                data = resp.json()
+                for choice in data["choices"]:
+                    assert len(choice["logprobs"]["token_logprobs"]) == len(choice["token_ids"])
+                return sum(len(c["token_ids"]) for c in data["choices"]), data.get("adapter_version")
+
+            async def run(w: Workload) -> dict[str, float]:
+                t = time.perf_counter()
+                results = await asyncio.gather(*(one(i, p, m) for i, (p, m) in enumerate(
+                    zip(w.prompts, w.max_tokens, strict=True))))
+                wall = time.perf_counter() - t
+                assert all(v == 1 for _, v in results), "every response must be tagged with adapter v1"
+                tokens = sum(t for t, _ in results)
+                return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall}
+
+            await run(work.subset(8))
+            gen = await run(work)
+            sync = await sync_bench(client, adapter, root, fingerprint, headers, syncs)
+    finally:
+        stop_server(proc)
+    return {"server_start_s": start_s, "lora_logprobs": gen, "sync": sync}
+
+
+async def sync_bench(client: httpx.AsyncClient, adapter: Path, root: Path, fingerprint: str,
+                     headers: dict[str, str], syncs: int = 20) -> dict[str, Any]:
+    """20 publishes + triggers + first token on the new version, while background traffic runs."""
+    stop = asyncio.Event()
+    errors: list[str] = []
+    stale: list[str] = []
+    served = 0
+    loaded_before: dict[float, int] = {}  # request start time -> newest version whose trigger had returned
+
+    async def traffic(worker: int) -> None:
+        nonlocal served
+        i = 0
+        while not stop.is_set():
+            started = time.perf_counter()
+            floor = max((v for t, v in loaded_before.items() if t <= started), default=1)
+            body = {"model": "bench", "prompt": [[11 + worker, 12, 13, 14] * 16], "n": 4, "max_tokens": 64,
+                    "temperature": 1.0, "logprobs": 0, "return_token_ids": True, "seed": i}
+            try:
+                resp = await client.post("/v1/completions", json=body)
+                if resp.status_code != 200:
+                    errors.append(f"{resp.status_code} {resp.text[:200]}")
+                else:
+                    version = resp.json().get("adapter_version")
+                    if version is None or version < floor:
+                        stale.append(f"started after v{floor} loaded, served by v{version}")
+                    served += 1
+            except httpx.HTTPError as exc:
+                errors.append(repr(exc))
+            i += 1
+
+    workers = [asyncio.create_task(traffic(w)) for w in range(16)]
+    await asyncio.sleep(2)
+    timings: list[dict[str, float]] = []
+    for version in range(2, 2 + syncs):
+        t0 = time.perf_counter()
+        path, digest, publish_s = publish(adapter, root, version, fingerprint)
+        t1 = time.perf_counter()
+        r = await client.post("/set_lora_adapter/", json={"path": str(path), "version": version, "sha256": digest},
+                              headers=headers)
+        t2 = time.perf_counter()
+        if r.status_code != 200:
+            errors.append(f"trigger v{version}: {r.status_code} {r.text[:200]}")
+            continue
+        loaded_before[t2] = version
+        first = await client.post("/v1/completions", json={
+            "model": "bench", "prompt": [[5, 6, 7, 8]], "max_tokens": 1, "logprobs": 0, "return_token_ids": True})
+        t3 = time.perf_counter()
+        if first.json().get("adapter_version") != version:
+            stale.append(f"first token after trigger v{version} served by {first.json().get('adapter_version')}")
+        timings.append({"publish_s": publish_s, "trigger_s": t2 - t1, "first_token_s": t3 - t2, "total_s": t3 - t0})
+        old = version_dir(root, version - 2)
+        if old.exists():  # prune one sync late, as the trainer does
+            shutil.rmtree(old)
+        await asyncio.sleep(0.5)
+    stop.set()
+    await asyncio.gather(*workers)
+    totals = sorted(t["total_s"] for t in timings)
+
+    def pct(q: float) -> float:
+        return totals[min(len(totals) - 1, round(q * (len(totals) - 1)))]
+
+    return {
+        "syncs": len(timings), "p50_s": pct(0.5), "p95_s": pct(0.95), "max_s": totals[-1],
+        "publish_p50_s": statistics.median(t["publish_s"] for t in timings),
+        "trigger_p50_s": statistics.median(t["trigger_s"] for t in timings),
+        "first_token_p50_s": statistics.median(t["first_token_s"] for t in timings),
+        "background_requests": served, "errors": errors[:20], "error_count": len(errors),
+        "wrong_version": stale[:20], "wrong_version_count": len(stale), "timings": timings,
+        "adapter_bytes": sum(f.stat().st_size for f in adapter.iterdir()),
+    }
+
+
+def merged_reload(model: Path, adapter: Path, work_dir: Path, port: int) -> dict[str, float]:
+    """Baseline: merge the adapter into the weights, save them, and start a fresh server on them."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+    merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
+    out = work_dir / "merged"
+    merged.save_pretrained(out)
+    AutoTokenizer.from_pretrained(model).save_pretrained(out)
+    save_s = time.perf_counter() - t0
+    proc, _, start_s = start_server(out, work_dir / "merged-run", port)
+    stop_server(proc)
+    return {"merge_and_save_s": save_s, "server_start_s": start_s, "total_s": save_s + start_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("phase", choices=["direct", "http"])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--adapter", type=Path, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--direct", type=Path, default=None, help="the direct phase's JSON, for the ratio")
+    parser.add_argument("--offline", type=Path, default=None, help="gen_offline.py's JSON, for the ratio")
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--skip-reload", action="store_true")
+    parser.add_argument("--engine", default="vllm", help="transformers: a CPU smoke run of the same code")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--max-completion", type=int, default=1024)
+    parser.add_argument("--syncs", type=int, default=20)
+    args = parser.parse_args()
+    SERVER["engine"] = args.engine
+    if args.engine != "vllm":
+        SERVER.pop("gpuMemoryUtilization")
+        SERVER["dtype"] = "auto"
+    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
+    work = grpo_shaped(vocab, prompts=args.prompts,
+                       completion_len=(min(64, args.max_completion), args.max_completion),
+                       prompt_len=(min(64, args.max_completion), min(512, 4 * args.max_completion)))
+    today = dt.date.today().isoformat()
+    if args.phase == "direct":
+        result = asyncio.run(direct(args.model, args.adapter, work))
+        dump(args.out, {"benchmark": "generation, engine called directly (no HTTP)", "machine": machine(),
+                        "date": today, "command": f"python bench/gen_server.py direct --model {args.model} "
+                        f"--adapter {args.adapter} --out $OUT/gen_direct.json", "runs": result,
+                        "figures": [figure("VllmEngine direct, LoRA + logprobs",
+                                           result["lora_logprobs"]["tokens_per_s"], "tokens/s")]})
+        return
+    work_dir = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
+    result = asyncio.run(http_bench(args.model, args.adapter, work, work_dir, args.port, args.syncs))
+    if not args.skip_reload:
+        result["merged_reload"] = merged_reload(args.model, args.adapter, work_dir, args.port + 1)
+    http_tps = result["lora_logprobs"]["tokens_per_s"]
+    figures = []
+    if args.offline and args.offline.is_file():
+        plain = json.loads(args.offline.read_text())["runs"]["plain"]["tokens_per_s"]
+        hf = json.loads(args.offline.read_text())["runs"]["hf generate"]["tokens_per_s"]
+        figures.append(figure("server HTTP, LoRA + logprobs vs LLM.generate plain", http_tps, "tokens/s",
+                              baseline="LLM.generate plain (gen_offline)", baseline_value=plain, target="≥ 0.90"))
+        figures.append(figure("server HTTP vs HF generate", http_tps, "tokens/s",
+                              baseline="HF generate (gen_offline)", baseline_value=hf, target="≥ 10×"))
+    if args.direct and args.direct.is_file():
+        direct_tps = json.loads(args.direct.read_text())["runs"]["lora_logprobs"]["tokens_per_s"]
+        figures.append(figure("server HTTP vs engine direct", http_tps, "tokens/s",
+                              baseline="VllmEngine direct (gen_direct)", baseline_value=direct_tps,
+                              target="≥ 0.95 (HTTP overhead ≤ 5%)"))
+    sync = result["sync"]
+    reload_s = result.get("merged_reload", {}).get("total_s")
+    figures += [
+        figure("adapter sync p50 (publish+trigger+first token)", sync["p50_s"] * 1000, "ms", target="≤ 100 ms",
+               baseline="merged-weight reload" if reload_s else None,
+               baseline_value=reload_s * 1000 if reload_s else None, higher_is_better=False),
+        figure("adapter sync p95", sync["p95_s"] * 1000, "ms", target="≤ 250 ms"),
+        figure("failed requests during syncs", sync["error_count"], "count", target="0"),
+        figure("wrong-version responses", sync["wrong_version_count"], "count", target="0"),
+    ]
+    dump(args.out, {"benchmark": "generation through the server (HTTP) and adapter sync", "machine": machine(),
+                    "date": today, "command": f"python bench/gen_server.py http --model {args.model} --adapter "
+                    f"{args.adapter} --out $OUT/gen_http.json --direct $OUT/gen_direct.json --offline "
+                    "$OUT/gen_offline.json", "runs": result, "figures": figures})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# GPU session on the device machine (see ../shared/device/README.md for carrying vLLM there).
+# Each phase writes its logs and JSON under $OUT; run phases in separate device calls:
+#   bash bench/gpu/session.sh prep server-tests      # 1.5B model, dataset, adapter; server tests on vLLM
+#   bash bench/gpu/session.sh grpo                   # trainer vs the vLLM server, and TRL colocate
+#   bash bench/gpu/session.sh gen-offline            # LLM.generate variants + HF generate
+#   bash bench/gpu/session.sh gen-server             # engine direct, server HTTP, adapter sync
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+export PYTHONPATH=/tmp/site:$ROOT/services:$ROOT/operator:$ROOT
+export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+M=/tmp/m15; D=/tmp/m15-prompts.jsonl; A=/tmp/bench-adapter-r32
+PY=python3
+log() { echo "[$(date +%T)] $*"; }
+# An engine left by an interrupted phase would hold most of the GPU: end every GPU process first.
+free_gpu() { nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9; sleep 2; }
+
+prep() {
+  log "prep: 1.5B-shaped model, dataset, r=32 adapter"
+  [ -f $M/config.json ] || $PY -m grpo_cli.main make-model --preset qwen2.5-1.5b $M
+  [ -f $D ] || $PY -m grpo_cli.main make-dataset --model $M --prompts 256 $D
+  [ -f $A/adapter_config.json ] || $PY -c "
+import sys; sys.path.insert(0, 'bench')
+from pathlib import Path; from gen_offline import make_adapter
+make_adapter(Path('$M'), Path('$A'))"
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
+}
+
+server_tests() {
+  log "server tests on the vllm engine"
+  GRPO_TEST_SERVER_ENGINE=vllm GRPO_TEST_SERVER_MODEL_DIR=$M \
+  GRPO_TEST_SERVER_OVERRIDES='{"gpuMemoryUtilization": 0.5, "maxModelLen": 2048, "maxLoraRank": 64, "dtype": "bfloat16"}' \
+    timeout 540 $PY -m pytest tests/server/test_endpoints.py tests/server/test_adapters.py -q -p no:cacheprovider \
+      -o addopts="" --timeout 300 -rfE --junitxml="$OUT/server_tests.xml" > "$OUT/server_tests.log" 2>&1
+  tail -5 "$OUT/server_tests.log"
+}
+
+grpo() {
+  log "GRPO: ours (server mode) vs TRL colocate"
+  timeout 560 $PY bench/grpo_step.py --model $M --dataset $D --steps 8 --out "$OUT/grpo_step.json" ${ONLY:+--only $ONLY}
+  for f in /tmp/grpo-step/*.log; do tail -40 "$f" > "$OUT/$(basename "$f")"; done
+  tail -30 /tmp/grpo-step/bench-server/logs/server-attempt-1.log > "$OUT/grpo-server-vllm.log" 2>/dev/null
+  tail -60 /tmp/grpo-step/bench-server/logs/trainer-attempt-1.log > "$OUT/grpo-trainer.log" 2>/dev/null
+}
+
+gen_offline() {
+  log "generation baselines"
+  timeout 560 $PY bench/gen_offline.py --model $M --adapter-dir $A --out "$OUT/gen_offline.json" 2>&1 | tail -40 > "$OUT/gen_offline.log"
+  tail -12 "$OUT/gen_offline.log"
+}
+
+gen_server() {
+  log "engine direct, server HTTP, adapter sync"
+  timeout 200 $PY bench/gen_server.py direct --model $M --adapter $A --out "$OUT/gen_direct.json" 2>&1 | tail -20 > "$OUT/gen_direct.log"
+  timeout 350 $PY bench/gen_server.py http --model $M --adapter $A --out "$OUT/gen_http.json" \
+    --direct "$OUT/gen_direct.json" --offline "${OFFLINE:-$OUT/gen_offline.json}" 2>&1 | tail -30 > "$OUT/gen_http.log"
+  tail -5 "$OUT/gen_direct.log" "$OUT/gen_http.log"
+}
+
+for phase in "$@"; do
+  free_gpu
+  case $phase in
+    prep) prep ;; server-tests) server_tests ;; grpo) grpo ;; gen-offline) gen_offline ;; gen-server) gen_server ;;
+    *) echo "unknown phase $phase"; exit 2 ;;
+  esac
+done
+log done

@@ -1,0 +1,127 @@
+"""GRPO step time: our server mode (vLLM server + async prefetch + LoRA sync) vs TRL colocate with sleep mode.
+
+Same model, data, batch, generations, completion length, steps and seed; one GPU
+shared by server and trainer in our mode. Both runs write the trainer's progress
+history (one line per step); step time is the median gap between consecutive
+steps after the first (which pays for compilation and warm-up).
+
+    python bench/grpo_step.py --model M --dataset D --steps 8 --out $OUT/grpo_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import itertools
+
+from workload import dump, figure, machine
+
+from grpo_testmodels import target_token_ids
+
+
+def run_doc(name: str, model: Path, dataset: Path, steps: int, mode: str) -> dict[str, Any]:
+    lo, hi = target_token_ids(model)
+    trainer = {
+        "lora": {"r": 32, "alpha": 64, "targetModules": ["all-linear"]},
+        "numGenerations": 8, "perDeviceBatchSize": 32, "maxCompletionLength": 256,
+        "learningRate": 1e-5, "maxSteps": steps, "syncInterval": 1, "checkpointInterval": 1000,
+        "seed": 0, "generationTimeoutSeconds": 300,
+    }
+    spec: dict[str, Any] = {
+        "model": {"name": "bench-1.5b", "path": str(model), "dtype": "bfloat16"},
+        "dataset": {"path": str(dataset)},
+        "rewards": [{"function": "token_fraction", "args": {"low": lo, "high": hi}}],
+        "mode": mode,
+        "trainer": trainer,
+        "runPolicy": {"backoffLimit": 0, "serverReadyTimeoutSeconds": 600},
+    }
+    if mode == "server":
+        trainer.update({"asyncPrefetch": True, "prefetchDepth": 1})
+        spec["server"] = {"engine": "vllm", "gpuMemoryUtilization": 0.45, "maxModelLen": 2048, "maxLoras": 4,
+                          "maxLoraRank": 32, "dtype": "bfloat16"}
+    return {"apiVersion": "grpo.dev/v1alpha1", "kind": "GRPORun", "metadata": {"name": name}, "spec": spec}
+
+
+def history(path: Path) -> list[dict[str, Any]]:
+    rows: dict[int, dict[str, Any]] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            rows[row["step"]] = row
+    return [rows[k] for k in sorted(rows)]
+
+
+def step_seconds(rows: list[dict[str, Any]]) -> list[float]:
+    times = [dt.datetime.fromisoformat(r["updated_at"]) for r in rows]
+    return [(b - a).total_seconds() for a, b in itertools.pairwise(times)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--dataset", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/grpo-step"))
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--only", choices=["server", "colocate"], default=None)
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {}
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29561"}
+    for mode in ("server", "colocate"):
+        if args.only and mode != args.only:
+            continue
+        name = f"bench-{mode}"
+        run_file = args.work / f"{name}.yaml"
+        run_file.write_text(yaml.safe_dump(run_doc(name, args.model, args.dataset, args.steps, mode)))
+        run_dir = args.work / name
+        log = (args.work / f"{name}.log").open("wb")
+        if mode == "server":
+            argv = [sys.executable, "-m", "grpo_cli.main", "run", "-f", str(run_file), "--run-dir", str(run_dir),
+                    "--fresh", "--no-live"]
+        else:  # colocate: the trainer alone, vLLM in-process with sleep mode (TRL's own path)
+            argv = [sys.executable, "-m", "grpo_cli.main", "train", "--config", str(run_file)]
+        t0 = time.perf_counter()
+        code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, check=False).returncode
+        wall = time.perf_counter() - t0
+        progress_dir = (run_dir if mode == "server" else args.work / ".grpo" / name) / "progress"
+        rows = history(progress_dir / f"{name}.history.jsonl")
+        gaps = step_seconds(rows)
+        results[mode] = {
+            "exit_code": code, "wall_s": wall, "steps_logged": len(rows),
+            "step_s_median": statistics.median(gaps[1:]) if len(gaps) > 1 else (gaps[0] if gaps else None),
+            "step_s": gaps, "reward": [r.get("reward_mean") for r in rows],
+            "sync_s": [r.get("sync_seconds") for r in rows],
+        }
+        print(mode, json.dumps(results[mode]), flush=True)
+    figures = []
+    ours, trl = results.get("server", {}), results.get("colocate", {})
+    if ours.get("step_s_median") and trl.get("step_s_median"):
+        figures.append(figure("GRPO step time, ours (server mode, prefetch, LoRA sync)", ours["step_s_median"], "s",
+                              baseline="TRL 1.16 colocate + sleep mode", baseline_value=trl["step_s_median"],
+                              target="≥ 1.3× faster", higher_is_better=False))
+    dump(args.out, {
+        "benchmark": "GRPO step time vs TRL colocate",
+        "command": f"python bench/grpo_step.py --model {args.model} --dataset {args.dataset} --steps {args.steps} "
+                   "--out $OUT/grpo_step.json",
+        "machine": machine(), "date": dt.date.today().isoformat(), "runs": results, "figures": figures,
+        "notes": ["reward per step (ours): " + json.dumps(ours.get("reward")),
+                  "reward per step (TRL colocate): " + json.dumps(trl.get("reward"))],
+    })
+
+
+if __name__ == "__main__":
+    main()
