@@ -32,7 +32,7 @@ make_adapter(Path('$M'), Path('$A'))"
 server_tests() {
   log "server tests on the vllm engine"
   GRPO_TEST_SERVER_ENGINE=vllm GRPO_TEST_SERVER_MODEL_DIR=$M \
-  GRPO_TEST_SERVER_OVERRIDES='{"gpuMemoryUtilization": 0.5, "maxModelLen": 2048, "maxLoraRank": 64, "dtype": "bfloat16"}' \
+  GRPO_TEST_SERVER_OVERRIDES='{"gpuMemoryUtilization": 0.5, "maxModelLen": 2048, "maxLoraRank": 64, "dtype": "bfloat16", "enablePrefixCaching": false}' \
     timeout 540 $PY -m pytest tests/server/test_endpoints.py tests/server/test_adapters.py -q -p no:cacheprovider \
       -o addopts="" --timeout 300 -rfE --junitxml="$OUT/server_tests.xml" > "$OUT/server_tests.log" 2>&1
   tail -5 "$OUT/server_tests.log"

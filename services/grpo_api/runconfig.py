@@ -82,6 +82,34 @@ class RunConfig(BaseModel):
         p = Path(path).expanduser()
         return p if p.is_absolute() else (Path(self.base_dir) / p)
 
+    def model_dir(self) -> Path:
+        """The base model's directory: spec.model.path, else spec.model.name as a directory or a cached hub id.
+
+        Raises RunConfigError naming the field when neither resolves (no hub is contacted).
+        """
+        model = self.spec.model
+        if model.path:
+            path = self.resolve(model.path)
+            if not (path / "config.json").is_file():
+                raise RunConfigError(
+                    f"spec.model.path: {path} is not a Hugging Face model directory (no config.json)"
+                )
+            return path
+        direct = Path(model.name).expanduser()
+        if (direct / "config.json").is_file():
+            return direct
+        try:
+            # Only server and trainer images resolve hub names; they ship huggingface_hub.
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(model.name, revision=model.revision, local_files_only=True))
+        except Exception as exc:  # huggingface_hub raises several error types for "not cached"
+            raise RunConfigError(
+                f"spec.model.name: {model.name!r} is neither a model directory nor in the local model cache "
+                f"(HF_HOME={os.environ.get('HF_HOME', '~/.cache/huggingface')}); set spec.model.path "
+                f"or pre-fill the cache: {exc}"
+            ) from exc
+
     def read_token(self) -> str | None:
         """The run's bearer token: $GRPO_TOKEN, else the token file."""
         if token := os.environ.get(ENV_TOKEN):

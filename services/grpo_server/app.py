@@ -91,10 +91,11 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def tagged(model: BaseModel, generated: Generated, boot_id: str) -> JSONResponse:
+def tagged(model: BaseModel, generated: Generated, boot_id: str) -> Response:
     version = generated.adapter_version
     headers = {BOOT_ID_HEADER: boot_id, ADAPTER_VERSION_HEADER: str(version) if version is not None else "none"}
-    return JSONResponse(content=model.model_dump(mode="json"), headers=headers)
+    # pydantic's own JSON serialiser: a generation body carries a few values per sampled token.
+    return Response(content=model.model_dump_json(), media_type="application/json", headers=headers)
 
 
 def token_prompts(prompt: str | list[int] | list[list[int]] | list[str], service: GenerationService) -> list[list[int]]:
@@ -263,7 +264,7 @@ def create_app(service: GenerationService) -> FastAPI:
     # ---------------------------------------------------------------- generation
 
     @app.post("/generate/", response_model=GenerateResponse, dependencies=[generating], tags=["native"])
-    async def generate(body: GenerateRequest) -> JSONResponse:
+    async def generate(body: GenerateRequest) -> Response:
         if body.images:
             raise BadRequest("images: image prompts are not supported")
         limits = service.require_limits()
@@ -296,7 +297,7 @@ def create_app(service: GenerationService) -> FastAPI:
                       service.boot_id)
 
     @app.post("/v1/completions", response_model=CompletionResponse, dependencies=[generating], tags=["openai"])
-    async def completions(body: CompletionRequest) -> JSONResponse:
+    async def completions(body: CompletionRequest) -> Response:
         refuse_unsupported(body, stream=body.stream, echo=body.echo)
         limits = service.require_limits()
         prompts = token_prompts(body.prompt, service)
@@ -315,7 +316,7 @@ def create_app(service: GenerationService) -> FastAPI:
         return tagged(response, generated, service.boot_id)
 
     @app.post("/v1/chat/completions", response_model=ChatResponse, dependencies=[generating], tags=["openai"])
-    async def chat_completions(body: ChatRequest) -> JSONResponse:
+    async def chat_completions(body: ChatRequest) -> Response:
         refuse_unsupported(body, stream=body.stream)
         limits = service.require_limits()
         prompt = service.encode_chat(

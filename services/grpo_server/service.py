@@ -50,6 +50,7 @@ class GenerationService:
     def __init__(self, settings: ServerSettings, engine_kind: str | None = None) -> None:
         self.settings = settings
         self.boot_id = uuid.uuid4().hex
+        self._token_texts: dict[int, str] = {}  # bounded by the vocabulary
         self.started_at = time.time()
         self._started_monotonic = time.monotonic()
         self.fingerprint = model_fingerprint(settings.model_dir)
@@ -195,8 +196,12 @@ class GenerationService:
         return ids
 
     def decode_token(self, token_id: int) -> str:
-        text = self.require_tokenizer().decode([token_id])
-        assert isinstance(text, str)
+        """One token's text, cached: logprob names and text offsets ask for every sampled token."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            decoded = self.require_tokenizer().decode([token_id])
+            assert isinstance(decoded, str)
+            text = self._token_texts[token_id] = decoded
         return text
 
     # ------------------------------------------------------------------ generation

@@ -16,7 +16,7 @@ from typing import Any
 from grpo_api.fingerprint import model_fingerprint
 from grpo_api.models import Mode
 from grpo_api.protocol import ENV_ATTEMPT, HealthResponse, TrainingProgress
-from grpo_api.runconfig import RunConfig
+from grpo_api.runconfig import RunConfig, RunConfigError
 from grpo_trainer.checkpoints import latest_complete, remove_incomplete
 from grpo_trainer.client import ServerClient
 from grpo_trainer.config import Platform
@@ -34,28 +34,6 @@ def attempt_from_env() -> int:
         return max(int(raw), 1)
     except ValueError as exc:
         raise TrainingFailed(f"${ENV_ATTEMPT} must be an integer, got {raw!r}") from exc
-
-
-def resolve_model_dir(cfg: RunConfig) -> Path:
-    """spec.model.path (resolved against the run) if set, else spec.model.name as a directory or cached hub id."""
-    model = cfg.spec.model
-    if model.path:
-        path = cfg.resolve(model.path)
-        if not (path / "config.json").is_file():
-            raise TrainingFailed(f"spec.model.path {path} is not a Hugging Face model directory (no config.json)")
-        return path
-    direct = Path(model.name).expanduser()
-    if (direct / "config.json").is_file():
-        return direct
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(model.name, revision=model.revision, local_files_only=True))
-    except Exception as exc:
-        raise TrainingFailed(
-            f"spec.model.name {model.name!r} is neither a model directory nor in the local model cache "
-            f"(HF_HOME={os.environ.get('HF_HOME', '~/.cache/huggingface')}); set spec.model.path"
-        ) from exc
 
 
 def handshake(client: ServerClient, *, fingerprint: str, model_dir: Path, resuming: bool,
@@ -82,7 +60,10 @@ def run_training(cfg: RunConfig, *, attempt: int) -> TrainingProgress:
     spec = cfg.spec
     t = spec.trainer
     server_mode = spec.mode == Mode.SERVER
-    model_dir = resolve_model_dir(cfg)
+    try:
+        model_dir = cfg.model_dir()
+    except RunConfigError as exc:
+        raise TrainingFailed(str(exc)) from exc
     fingerprint = model_fingerprint(model_dir)
     checkpoint_root = Path(cfg.paths.checkpoint_dir)
     resume = latest_complete(checkpoint_root)
