@@ -45,7 +45,12 @@ class LiveView:
         server = status.server
         sync_ms = latest.sync_seconds * 1000 if latest and latest.sync_seconds is not None else None
         adapter = f"v{latest.adapter_version}" if latest and latest.adapter_version else "–"
-        server_state = "ready" if server.ready else ("–" if run.run.spec.mode == "colocate" else "not ready")
+        if run.run.spec.mode == "colocate":
+            server_state = "–"
+        elif run.finished:
+            server_state = "ready" if server.ready else "stopped"
+        else:
+            server_state = "ready" if server.ready else "not ready"
         line = Text.assemble(
             ("phase ", "dim"), (phase_label(status), "bold cyan"),
             ("  attempt ", "dim"), (str(status.attempt), "bold"),
