@@ -22,7 +22,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, Query
@@ -91,6 +91,15 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+def add_routes(app: FastAPI, paths: tuple[str, ...], endpoint: Callable[..., Any], **route: Any) -> None:
+    """Serve one endpoint at each path (with and without the trailing slash different clients send).
+
+    /docs lists the first path only.
+    """
+    for index, path in enumerate(paths):
+        app.add_api_route(path, endpoint, include_in_schema=index == 0, **route)
+
+
 def tagged(model: BaseModel, generated: Generated, boot_id: str) -> Response:
     version = generated.adapter_version
     headers = {BOOT_ID_HEADER: boot_id, ADAPTER_VERSION_HEADER: str(version) if version is not None else "none"}
@@ -157,22 +166,24 @@ def create_app(service: GenerationService) -> FastAPI:
         status_code, body = service.health()
         return JSONResponse(status_code=status_code, content=body.model_dump(mode="json"))
 
-    for path in ("/health", "/health/"):
-        app.add_api_route(
-            path,
-            health,
-            methods=["GET"],
-            response_model=HealthResponse,
-            responses={503: {"model": HealthResponse, "description": "Engine loading or unhealthy."}},
-            summary="Health: 200 only when a generation can be served",
-            tags=["health"],
-        )
+    add_routes(
+        app,
+        ("/health/", "/health"),
+        health,
+        methods=["GET"],
+        response_model=HealthResponse,
+        responses={503: {"model": HealthResponse, "description": "Engine loading or unhealthy."}},
+        summary="Health: 200 only when a generation can be served",
+        tags=["health"],
+    )
 
     def world_size() -> WorldSizeResponse:
         return WorldSizeResponse(world_size=service.require_engine().world_size)
 
-    for path in ("/get_world_size", "/get_world_size/"):
-        app.add_api_route(path, world_size, methods=["GET"], response_model=WorldSizeResponse, tags=["info"])
+    add_routes(
+        app, ("/get_world_size", "/get_world_size/"), world_size, methods=["GET"], response_model=WorldSizeResponse,
+        tags=["info"],
+    )
 
     @app.get("/v1/models", response_model=ModelList, tags=["openai"])
     def models() -> ModelList:
@@ -219,47 +230,45 @@ def create_app(service: GenerationService) -> FastAPI:
     async def set_adapter(body: SetAdapterRequest) -> SetAdapterResponse:
         return await service.set_adapter(body)
 
-    for path in ("/set_lora_adapter/", "/set_lora_adapter"):
-        app.add_api_route(
-            path,
-            set_adapter,
-            methods=["POST"],
-            response_model=SetAdapterResponse,
-            dependencies=[mutating],
-            summary="Validate, load and activate an adapter version before answering",
-            tags=["adapters"],
-            include_in_schema=path.endswith("/"),
-        )
+    add_routes(
+        app,
+        ("/set_lora_adapter/", "/set_lora_adapter"),
+        set_adapter,
+        methods=["POST"],
+        response_model=SetAdapterResponse,
+        dependencies=[mutating],
+        summary="Validate, load and activate an adapter version before answering",
+        tags=["adapters"],
+    )
 
     async def clear_adapter() -> ClearAdapterResponse:
         await service.clear_adapter()
         return ClearAdapterResponse(boot_id=service.boot_id)
 
-    for path in ("/clear_lora_adapter/", "/clear_lora_adapter"):
-        app.add_api_route(
-            path,
-            clear_adapter,
-            methods=["POST"],
-            response_model=ClearAdapterResponse,
-            dependencies=[mutating],
-            tags=["adapters"],
-            include_in_schema=path.endswith("/"),
-        )
+    add_routes(
+        app,
+        ("/clear_lora_adapter/", "/clear_lora_adapter"),
+        clear_adapter,
+        methods=["POST"],
+        response_model=ClearAdapterResponse,
+        dependencies=[mutating],
+        tags=["adapters"],
+    )
 
     async def reset_prefix_cache() -> ResetPrefixCacheResponse:
         success = await service.reset_prefix_cache()
         message = "prefix cache reset" if success else "prefix cache busy (requests running); not reset"
         return ResetPrefixCacheResponse(success=success, message=message)
 
-    for path in ("/reset_prefix_cache", "/reset_prefix_cache/"):
-        app.add_api_route(
-            path,
-            reset_prefix_cache,
-            methods=["POST"],
-            response_model=ResetPrefixCacheResponse,
-            dependencies=[mutating],
-            tags=["adapters"],
-        )
+    add_routes(
+        app,
+        ("/reset_prefix_cache", "/reset_prefix_cache/"),
+        reset_prefix_cache,
+        methods=["POST"],
+        response_model=ResetPrefixCacheResponse,
+        dependencies=[mutating],
+        tags=["adapters"],
+    )
 
     # ---------------------------------------------------------------- generation
 
