@@ -8,6 +8,7 @@ way the trainer tokenizes and the server receives token ids.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from grpo_api.models import DatasetFormat, DatasetSpec, PromptFormat
 from grpo_trainer.errors import TrainingFailed
 
 PROMPT = "prompt"
+
+log = logging.getLogger(__name__)
 
 
 class DatasetError(TrainingFailed):
@@ -151,8 +154,10 @@ def load_prompts(path: Path, spec: DatasetSpec, *, tokenizer: Any, max_prompt_le
         )
         dropped = before - len(dataset)
         if dropped:
-            print(f"dropped {dropped} of {before} prompts longer than {max_prompt_length} tokens "
-                  "(trainer.maxPromptLength)")
+            log.warning(
+                "dropped %d of %d prompts longer than %d tokens (trainer.maxPromptLength)",
+                dropped, before, max_prompt_length,
+            )
     if len(dataset) < min_rows:
         raise DatasetError(
             f"{source}: {len(dataset)} usable prompts, but one step needs {min_rows} "
