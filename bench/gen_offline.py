@@ -7,7 +7,10 @@ settings that avoid per-token Python objects in the frontend (`flat_logprobs`,
 tokens/s and the CPU seconds of the frontend process: a frontend that burns as
 much CPU as the wall time is the bottleneck, not the GPU.
 
-    python bench/gen_offline.py --model MODEL_DIR --out $OUT/gen_offline.json
+    python bench/gen_offline.py --model MODEL_DIR --out $OUT/gen_offline.json [--profile DIR]
+
+`--profile DIR` samples this process and vLLM's engine-core child with py-spy during
+the LoRA runs with and without logprobs (raw stacks; `bench/profile_summary.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import datetime as dt
 import gc
 import json
 import os
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -67,6 +72,20 @@ def run_llm(llm: Any, work: Workload, *, logprobs: int | None, flat: bool, detok
     return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "frontend_cpu_s": cpu}
 
 
+def profiled(out: Path | None, name: str, seconds: int) -> subprocess.Popen[bytes] | None:
+    """py-spy over this process and its children for `seconds`, if py-spy is installed."""
+    spy = shutil.which("py-spy")
+    if out is None or spy is None:
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    stem = name.replace(" ", "_").replace("=", "")
+    return subprocess.Popen(
+        [spy, "record", "--pid", str(os.getpid()), "--subprocesses", "--duration", str(seconds), "--rate", "50",
+         "--format", "raw", "--nonblocking", "--output", str(out / f"offline-{stem}.txt")],
+        stdout=(out / f"py-spy-{stem}.log").open("wb"), stderr=subprocess.STDOUT,
+    )
+
+
 def hf_generate(model_dir: Path, work: Workload) -> dict[str, float]:
     """HF generate, padded batch that runs to its longest completion; useful tokens = assigned lengths."""
     import torch
@@ -104,6 +123,7 @@ def main() -> None:
     parser.add_argument("--adapter-dir", type=Path, default=Path("/tmp/bench-adapter-r32"))
     parser.add_argument("--hf-prompts", type=int, default=8, help="prompts for the (slow) HF baseline")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    parser.add_argument("--profile", type=Path, default=None, help="py-spy two LoRA runs into this folder")
     args = parser.parse_args()
 
     from vllm import LLM
@@ -133,8 +153,12 @@ def main() -> None:
         ("lora logprobs=0", 0, False, True, lora),
         ("lora logprobs=0 flat_logprobs detokenize=False", 0, True, False, lora),
     ]
+    profile = {"lora plain", "lora logprobs=0 flat_logprobs detokenize=False"}
     for name, logprobs, flat, detok, req in variants:
+        spy = profiled(args.profile, name, 8) if name in profile else None
         runs[name] = run_llm(llm, work, logprobs=logprobs, flat=flat, detokenize=detok, lora=req)
+        if spy is not None:
+            spy.wait(60)
         print(name, json.dumps(runs[name]), flush=True)
     del llm
     gc.collect()

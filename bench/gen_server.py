@@ -9,10 +9,18 @@ Two phases, each its own process so every engine gets the GPU to itself:
 server does, minus HTTP and JSON). `http` starts `grpo serve` (vllm engine), loads
 the r=32 adapter through the real trigger, sends the GRPO-shaped workload as
 concurrent `/v1/completions` requests with logprobs (TRL's shape), then runs the
-adapter-sync benchmark: 20 versions published (save + manifest + atomic rename) and
-triggered while generation traffic runs, each timed to the first token on the new
-version; every response's adapter tag is checked. The full-reload baseline is the
-time to save merged weights plus to start a fresh server until healthy.
+adapter-sync benchmark: 20 versions published and triggered while generation traffic
+runs, each timed to the first token on the new version; every response's adapter tag
+is checked. Publishing is the trainer's own code (`grpo_trainer.publish.AdapterStore`
+with `grpo_trainer.adapter_io.write_adapter`): the adapter's float32 tensors, held on
+the GPU as a trainer holds them, written in the serving dtype, hashed while written,
+manifest, fsync, atomic rename, pruned one sync late. The full-reload baseline is the
+time to merge the adapter into the weights and save them, plus to start a fresh server
+on them until healthy.
+
+`--profile DIR` samples the server process and its engine-core child with py-spy
+during the measured generation run (raw collapsed stacks; `bench/profile_summary.py`
+summarises them).
 """
 
 from __future__ import annotations
@@ -37,7 +45,6 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import Workload, dump, figure, grpo_shaped, machine
 
-from grpo_api.adapters import build_manifest, fsync_tree, version_dir, write_manifest
 from grpo_api.fingerprint import model_fingerprint
 from grpo_api.models import GRPORun, ServerSpec
 from grpo_api.runconfig import run_config_for
@@ -55,10 +62,12 @@ def server_spec() -> ServerSpec:
 
 
 async def direct(model: Path, adapter: Path, work: Workload) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
     from grpo_server.engines.base import AdapterHandle, SamplingOptions
     from grpo_server.engines.vllm_engine import VllmEngine
 
-    engine = VllmEngine(model, "bench", server_spec())
+    engine = VllmEngine(model, "bench", server_spec(), AutoTokenizer.from_pretrained(model))
     t0 = time.perf_counter()
     await engine.start()
     start_s = time.perf_counter() - t0
@@ -128,33 +137,62 @@ def stop_server(proc: subprocess.Popen[bytes]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def publish(adapter_src: Path, root: Path, version: int, fingerprint: str) -> tuple[Path, str, float]:
-    """What the trainer does: write into a temp dir under the root, fsync, manifest, atomic rename."""
-    t0 = time.perf_counter()
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".v{version}-", dir=root))
-    for f in adapter_src.iterdir():
-        shutil.copyfile(f, tmp / f.name)
-    fsync_tree(tmp)
-    manifest = build_manifest(tmp, version=version, step=version, base_model_fingerprint=fingerprint)
-    write_manifest(tmp, manifest)
-    final = version_dir(root, version)
-    os.replace(tmp, final)
-    return final, manifest.digest(), time.perf_counter() - t0
+class Publisher:
+    """The trainer's publishing path over an adapter's tensors, held where a trainer holds them."""
+
+    def __init__(self, adapter: Path, root: Path, fingerprint: str, dtype: str) -> None:
+        import torch
+        from safetensors.torch import load_file
+
+        from grpo_trainer.publish import AdapterStore
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        saved = load_file(adapter / "adapter_model.safetensors", device=device)
+        self.tensors = {k: v.float() for k, v in saved.items()}
+        self.config = json.loads((adapter / "adapter_config.json").read_text())
+        self.store = AdapterStore(root, fingerprint)
+        self.dtype = dtype
+        self.last_bytes = 0
+        self.last_phases: dict[str, float] = {}
+
+    def publish(self, step: int) -> tuple[Path, int, str, float]:
+        """Publish the next version; returns (path, version, manifest digest, seconds)."""
+        from grpo_trainer.adapter_io import write_adapter
+
+        t0 = time.perf_counter()
+        published = self.store.publish(lambda d: write_adapter(d, self.tensors, self.config, dtype=self.dtype), step)
+        seconds = time.perf_counter() - t0
+        self.last_bytes = published.size_bytes
+        self.last_phases = published.phases
+        return published.path, published.version, published.sha256, seconds
+
+
+def start_profile(pid: int, out: Path, seconds: int) -> subprocess.Popen[bytes] | None:
+    """py-spy over the server and its children (the engine core), if py-spy is installed."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        [spy, "record", "--pid", str(pid), "--subprocesses", "--duration", str(seconds), "--rate", "50",
+         "--format", "raw", "--nonblocking", "--output", str(out / "server-stacks.txt")],
+        stdout=(out / "py-spy.log").open("wb"), stderr=subprocess.STDOUT,
+    )
 
 
 async def http_bench(
-    model: Path, adapter: Path, work: Workload, work_dir: Path, port: int, syncs: int
+    model: Path, adapter: Path, work: Workload, work_dir: Path, port: int, syncs: int, publish_dtype: str,
+    profile: Path | None,
 ) -> dict[str, Any]:
     proc, root, start_s = start_server(model, work_dir, port)
     base = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {TOKEN}"}
-    fingerprint = model_fingerprint(model)
+    publisher = Publisher(adapter, root, model_fingerprint(model), publish_dtype)
     try:
         async with httpx.AsyncClient(base_url=base, timeout=600, limits=httpx.Limits(max_connections=256)) as client:
-            path, digest, _ = publish(adapter, root, 1, fingerprint)
-            r = await client.post("/set_lora_adapter/", json={"path": str(path), "version": 1, "sha256": digest},
-                                  headers=headers)
+            path, version, digest, _ = publisher.publish(step=1)
+            r = await client.post("/set_lora_adapter/", json={"path": str(path), "version": version,
+                                                              "sha256": digest}, headers=headers)
             r.raise_for_status()
 
             async def one(i: int, ids: list[int], max_tokens: int) -> tuple[int, int | None]:
@@ -178,15 +216,18 @@ async def http_bench(
                 return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall}
 
             await run(work.subset(8))
+            spy = start_profile(proc.pid, profile, 10) if profile is not None else None
             gen = await run(work)
-            sync = await sync_bench(client, adapter, root, fingerprint, headers, syncs)
+            if spy is not None:
+                spy.wait(60)
+            sync = await sync_bench(client, publisher, headers, syncs)
     finally:
         stop_server(proc)
-    return {"server_start_s": start_s, "lora_logprobs": gen, "sync": sync}
+    return {"server_start_s": start_s, "lora_logprobs": gen, "sync": sync, "publish_dtype": publish_dtype}
 
 
-async def sync_bench(client: httpx.AsyncClient, adapter: Path, root: Path, fingerprint: str,
-                     headers: dict[str, str], syncs: int = 20) -> dict[str, Any]:
+async def sync_bench(client: httpx.AsyncClient, publisher: Publisher, headers: dict[str, str],
+                     syncs: int = 20) -> dict[str, Any]:
     """20 publishes + triggers + first token on the new version, while background traffic runs."""
     stop = asyncio.Event()
     errors: list[str] = []
@@ -218,9 +259,9 @@ async def sync_bench(client: httpx.AsyncClient, adapter: Path, root: Path, finge
     workers = [asyncio.create_task(traffic(w)) for w in range(16)]
     await asyncio.sleep(2)
     timings: list[dict[str, float]] = []
-    for version in range(2, 2 + syncs):
+    for step in range(2, 2 + syncs):
         t0 = time.perf_counter()
-        path, digest, publish_s = publish(adapter, root, version, fingerprint)
+        path, version, digest, publish_s = publisher.publish(step)
         t1 = time.perf_counter()
         r = await client.post("/set_lora_adapter/", json={"path": str(path), "version": version, "sha256": digest},
                               headers=headers)
@@ -229,15 +270,16 @@ async def sync_bench(client: httpx.AsyncClient, adapter: Path, root: Path, finge
             errors.append(f"trigger v{version}: {r.status_code} {r.text[:200]}")
             continue
         loaded_before[t2] = version
+        load_s = r.json()["load_seconds"]
         first = await client.post("/v1/completions", json={
             "model": "bench", "prompt": [[5, 6, 7, 8]], "max_tokens": 1, "logprobs": 0, "return_token_ids": True})
         t3 = time.perf_counter()
         if first.json().get("adapter_version") != version:
             stale.append(f"first token after trigger v{version} served by {first.json().get('adapter_version')}")
-        timings.append({"publish_s": publish_s, "trigger_s": t2 - t1, "first_token_s": t3 - t2, "total_s": t3 - t0})
-        old = version_dir(root, version - 2)
-        if old.exists():  # prune one sync late, as the trainer does
-            shutil.rmtree(old)
+        timings.append({"publish_s": publish_s, **{f"publish_{k}_s": v for k, v in publisher.last_phases.items()},
+                        "trigger_s": t2 - t1, "server_load_s": load_s,
+                        "first_token_s": t3 - t2, "total_s": t3 - t0})
+        publisher.store.prune(version - 1)  # one sync late, as the trainer does
         await asyncio.sleep(0.5)
     stop.set()
     await asyncio.gather(*workers)
@@ -250,10 +292,13 @@ async def sync_bench(client: httpx.AsyncClient, adapter: Path, root: Path, finge
         "syncs": len(timings), "p50_s": pct(0.5), "p95_s": pct(0.95), "max_s": totals[-1],
         "publish_p50_s": statistics.median(t["publish_s"] for t in timings),
         "trigger_p50_s": statistics.median(t["trigger_s"] for t in timings),
+        "server_load_p50_s": statistics.median(t["server_load_s"] for t in timings),
+        **{f"{k[:-2]}_p50_s": statistics.median(t[k] for t in timings)
+           for k in timings[0] if k.startswith("publish_") and k != "publish_s"},
         "first_token_p50_s": statistics.median(t["first_token_s"] for t in timings),
         "background_requests": served, "errors": errors[:20], "error_count": len(errors),
         "wrong_version": stale[:20], "wrong_version_count": len(stale), "timings": timings,
-        "adapter_bytes": sum(f.stat().st_size for f in adapter.iterdir()),
+        "adapter_bytes": publisher.last_bytes,
     }
 
 
@@ -289,6 +334,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--max-completion", type=int, default=1024)
     parser.add_argument("--syncs", type=int, default=20)
+    parser.add_argument("--publish-dtype", default=None,
+                        help="dtype adapters are published in (default: what the trainer picks for the server)")
+    parser.add_argument("--profile", type=Path, default=None, help="py-spy the server into this folder")
     args = parser.parse_args()
     SERVER["engine"] = args.engine
     if args.engine != "vllm":
@@ -308,7 +356,11 @@ def main() -> None:
                                            result["lora_logprobs"]["tokens_per_s"], "tokens/s")]})
         return
     work_dir = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
-    result = asyncio.run(http_bench(args.model, args.adapter, work, work_dir, args.port, args.syncs))
+    from grpo_trainer.adapter_io import publish_dtype
+
+    dtype = args.publish_dtype or publish_dtype(str(SERVER["dtype"]), args.model)
+    result = asyncio.run(http_bench(args.model, args.adapter, work, work_dir, args.port, args.syncs, dtype,
+                                    args.profile))
     if not args.skip_reload:
         result["merged_reload"] = merged_reload(args.model, args.adapter, work_dir, args.port + 1)
     http_tps = result["lora_logprobs"]["tokens_per_s"]

@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # GPU session on the device machine (see ../shared/device/README.md for carrying vLLM there).
 # Each phase writes its logs and JSON under $OUT; run phases in separate device calls:
-#   bash bench/gpu/session.sh prep server-tests      # 1.5B model, dataset, adapter; server tests on vLLM
+#   bash bench/gpu/session.sh prep                   # 1.5B model, dataset, adapter (needs no vLLM)
+#   bash bench/gpu/session.sh server-tests           # the server's HTTP suites on the vllm engine
 #   bash bench/gpu/session.sh grpo                   # trainer vs the vLLM server, and TRL colocate
-#   bash bench/gpu/session.sh gen-offline            # LLM.generate variants + HF generate
-#   bash bench/gpu/session.sh gen-server             # engine direct, server HTTP, adapter sync
+#   bash bench/gpu/session.sh gen-offline            # LLM.generate variants + HF generate (+ py-spy)
+#   bash bench/gpu/session.sh gen-server             # engine direct, server HTTP, adapter sync, reload
+# py-spy profiles are taken when a py-spy wheel was carried to /tmp/stage (installed to /tmp/pyspy).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 export PYTHONPATH=/tmp/site:$ROOT/services:$ROOT/operator:$ROOT
 export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
-export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 PATH=/tmp/pyspy/bin:$PATH
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=/tmp/m15; D=/tmp/m15-prompts.jsonl; A=/tmp/bench-adapter-r32
 PY=python3
@@ -27,13 +29,17 @@ import sys; sys.path.insert(0, 'bench')
 from pathlib import Path; from gen_offline import make_adapter
 make_adapter(Path('$M'), Path('$A'))"
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
+  ls /tmp/stage/py_spy-*.whl >/dev/null 2>&1 && [ ! -x /tmp/pyspy/bin/py-spy ] &&
+    $PY -m pip install -q --no-index --no-deps --target /tmp/pyspy /tmp/stage/py_spy-*.whl
+  command -v py-spy || echo "no py-spy: benchmarks run without profiles"
 }
 
 server_tests() {
   log "server tests on the vllm engine"
   GRPO_TEST_SERVER_ENGINE=vllm GRPO_TEST_SERVER_MODEL_DIR=$M \
-  GRPO_TEST_SERVER_OVERRIDES='{"gpuMemoryUtilization": 0.5, "maxModelLen": 2048, "maxLoraRank": 64, "dtype": "bfloat16", "enablePrefixCaching": false}' \
-    timeout 540 $PY -m pytest tests/server/test_endpoints.py tests/server/test_adapters.py -q -p no:cacheprovider \
+  GRPO_TEST_SERVER_OVERRIDES='{"gpuMemoryUtilization": 0.5, "maxModelLen": 2048, "maxLoraRank": 64, "dtype": "bfloat16", "enablePrefixCaching": false, "enforceEager": true}' \
+    timeout ${TESTS_TIMEOUT:-480} $PY -m pytest tests/server/test_endpoints.py tests/server/test_adapters.py \
+      tests/server/test_swap_under_load.py -q -p no:cacheprovider \
       -o addopts="" --timeout 300 -rfE --junitxml="$OUT/server_tests.xml" > "$OUT/server_tests.log" 2>&1
   tail -5 "$OUT/server_tests.log"
 }
@@ -48,15 +54,19 @@ grpo() {
 
 gen_offline() {
   log "generation baselines"
-  timeout 560 $PY bench/gen_offline.py --model $M --adapter-dir $A --out "$OUT/gen_offline.json" 2>&1 | tail -40 > "$OUT/gen_offline.log"
+  timeout 540 $PY bench/gen_offline.py --model $M --adapter-dir $A --out "$OUT/gen_offline.json" \
+    --profile "$OUT/profile" 2>&1 | tail -40 > "$OUT/gen_offline.log"
   tail -12 "$OUT/gen_offline.log"
 }
 
 gen_server() {
   log "engine direct, server HTTP, adapter sync"
-  timeout 200 $PY bench/gen_server.py direct --model $M --adapter $A --out "$OUT/gen_direct.json" 2>&1 | tail -20 > "$OUT/gen_direct.log"
-  timeout 350 $PY bench/gen_server.py http --model $M --adapter $A --out "$OUT/gen_http.json" \
-    --direct "$OUT/gen_direct.json" --offline "${OFFLINE:-$OUT/gen_offline.json}" 2>&1 | tail -30 > "$OUT/gen_http.log"
+  timeout 180 $PY bench/gen_server.py direct --model $M --adapter $A --out "$OUT/gen_direct.json" 2>&1 | tail -20 > "$OUT/gen_direct.log"
+  free_gpu
+  timeout 380 $PY bench/gen_server.py http --model $M --adapter $A --out "$OUT/gen_http.json" \
+    --direct "$OUT/gen_direct.json" --offline "${OFFLINE:-$OUT/gen_offline.json}" --profile "$OUT/profile" \
+    2>&1 | tail -30 > "$OUT/gen_http.log"
+  cp /tmp/grpo-bench-*/server.log "$OUT/gen_http_server.log" 2>/dev/null
   tail -5 "$OUT/gen_direct.log" "$OUT/gen_http.log"
 }
 

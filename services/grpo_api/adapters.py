@@ -13,6 +13,8 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -41,12 +43,32 @@ class ManifestError(ValueError):
     """The directory does not match its manifest."""
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
-    with path.open("rb") as f:
+    with path.open("rb", buffering=0) as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def write_file_durably(path: Path, data: bytes) -> str:
+    """Write `data` to a new file, fsync it, and return its sha256.
+
+    The digest is computed from memory (never read back), in a thread while the bytes are
+    written: hashlib and os.write both release the GIL.
+    """
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        digest = pool.submit(lambda: hashlib.sha256(data).hexdigest())
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return digest.result()
 
 
 def version_dir(root: Path, version: int) -> Path:
@@ -81,12 +103,21 @@ def fsync_tree(path: Path) -> None:
             os.close(fd)
 
 
-def build_manifest(directory: Path, *, version: int, step: int, base_model_fingerprint: str) -> AdapterManifest:
-    files = {
-        p.relative_to(directory).as_posix(): sha256_file(p)
-        for p in sorted(directory.rglob("*"))
-        if p.is_file() and p.name != MANIFEST_NAME
-    }
+def build_manifest(
+    directory: Path,
+    *,
+    version: int,
+    step: int,
+    base_model_fingerprint: str,
+    known: Mapping[str, str] | None = None,
+) -> AdapterManifest:
+    """Manifest of every file under directory; `known` digests (hashed while writing) are not re-read."""
+    known = known or {}
+    files = {}
+    for p in sorted(directory.rglob("*")):
+        if p.is_file() and p.name != MANIFEST_NAME:
+            rel = p.relative_to(directory).as_posix()
+            files[rel] = known.get(rel) or sha256_file(p)
     return AdapterManifest(
         version=version,
         step=step,
@@ -113,6 +144,12 @@ def read_manifest(directory: Path) -> AdapterManifest:
 def verify_manifest(directory: Path) -> AdapterManifest:
     """Check every file against the manifest; raise ManifestError naming the first bad file."""
     manifest = read_manifest(directory)
+    verify_files(directory, manifest)
+    return manifest
+
+
+def verify_files(directory: Path, manifest: AdapterManifest) -> None:
+    """The directory holds exactly the manifest's files with its digests; ManifestError names the first bad one."""
     for rel, expected in manifest.files.items():
         path = directory / rel
         if not path.is_file():
@@ -127,4 +164,3 @@ def verify_manifest(directory: Path) -> AdapterManifest:
     )
     if extra:
         raise ManifestError(f"{directory}: files not in the manifest: {', '.join(extra)}")
-    return manifest

@@ -1,9 +1,15 @@
 """Checks an adapter directory passes before the engine sees it.
 
 Refusals carry one of `grpo_api.protocol.ADAPTER_REFUSALS` and a message naming the
-file or field. The order matters: the path is confined to the adapter root before
-anything is read, and the manifest's checksums are verified before the files they
-cover are parsed.
+file or field. The path is confined to the adapter root before anything is read.
+
+Two stages, so the server can hash the files while the engine loads them:
+`inspect_adapter` reads the manifest, adapter_config.json and the safetensors header
+(small reads); `verify_adapter_files` checks every file against the manifest's
+sha256 (the bulk of the bytes). The server activates a version only after both
+passed. When inspection fails on a version that has a manifest, the files are
+verified first, so a file changed after publication is reported as that
+(`adapter_checksum_mismatch`), not as whatever parse error the change caused.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_api.adapters import MANIFEST_NAME, ManifestError, verify_manifest
+from grpo_api.adapters import MANIFEST_NAME, AdapterManifest, ManifestError, read_manifest, verify_files
 from grpo_api.fingerprint import model_fingerprint
 from grpo_api.protocol import ADAPTER_REFUSALS
 
@@ -69,6 +75,7 @@ class CheckedAdapter:
     digest: str | None  # manifest digest, when there is a manifest
     manifest_version: int | None
     rank: int
+    manifest: AdapterManifest | None = None  # files still to verify (verify_adapter_files)
 
 
 def confine(path: str, root: Path) -> Path:
@@ -95,30 +102,73 @@ def check_adapter(
     expected_digest: str | None,
     version: int | None,
 ) -> CheckedAdapter:
-    """Validate an adapter directory; raise AdapterRefusal with the first problem found."""
+    """Validate an adapter directory completely (inspection, then every file's checksum)."""
+    checked = inspect_adapter(
+        path, root=root, served=served, max_rank=max_rank, require_manifest=require_manifest,
+        expected_digest=expected_digest, version=version,
+    )
+    verify_adapter_files(checked)
+    return checked
+
+
+def inspect_adapter(
+    path: str,
+    *,
+    root: Path,
+    served: ServedModel,
+    max_rank: int,
+    require_manifest: bool,
+    expected_digest: str | None,
+    version: int | None,
+) -> CheckedAdapter:
+    """Every check but the files' checksums; raise AdapterRefusal with the first problem found."""
     directory = confine(path, root)
     if not directory.is_dir():
         raise AdapterRefusal("adapter_missing", f"{directory} is not a directory")
-    digest, manifest_version = _check_manifest(directory, served, require_manifest, expected_digest, version)
-    config = _read_config(directory)
-    rank = _check_rank(config, directory, max_rank)
-    _check_supported(config, directory)
-    weights = _weight_file(directory)
-    _check_weight_keys(weights)
-    if digest is None:
-        _check_base_model_name(config, directory, served)
-    return CheckedAdapter(path=directory, digest=digest, manifest_version=manifest_version, rank=rank)
+    manifest = _check_manifest(directory, served, require_manifest, expected_digest, version)
+    try:
+        config = _read_config(directory)
+        rank = _check_rank(config, directory, max_rank)
+        _check_supported(config, directory)
+        weights = _weight_file(directory)
+        _check_weight_keys(weights)
+        if manifest is None:
+            _check_base_model_name(config, directory, served)
+    except AdapterRefusal:
+        if manifest is not None:
+            _verify(directory, manifest)  # a changed file is the real reason, if there is one
+        raise
+    return CheckedAdapter(
+        path=directory,
+        digest=manifest.digest() if manifest else None,
+        manifest_version=manifest.version if manifest else None,
+        rank=rank,
+        manifest=manifest,
+    )
+
+
+def verify_adapter_files(checked: CheckedAdapter) -> None:
+    """Every file matches the manifest (when there is one); AdapterRefusal otherwise."""
+    if checked.manifest is not None:
+        _verify(checked.path, checked.manifest)
+
+
+def _verify(directory: Path, manifest: AdapterManifest) -> None:
+    try:
+        verify_files(directory, manifest)
+    except ManifestError as exc:
+        raise AdapterRefusal("adapter_checksum_mismatch", str(exc)) from exc
 
 
 def _check_manifest(
     directory: Path, served: ServedModel, required: bool, expected_digest: str | None, version: int | None
-) -> tuple[str | None, int | None]:
+) -> AdapterManifest | None:
     if not (directory / MANIFEST_NAME).is_file():
         if required:
             raise AdapterRefusal("adapter_checksum_mismatch", f"{directory / MANIFEST_NAME} is missing")
-        return None, None
+        return None
     try:
-        manifest = verify_manifest(directory)
+        manifest = read_manifest(directory)
     except ManifestError as exc:
         raise AdapterRefusal("adapter_checksum_mismatch", str(exc)) from exc
     digest = manifest.digest()
@@ -140,7 +190,7 @@ def _check_manifest(
             "adapter_config_invalid",
             f"version {version} was requested but {directory / MANIFEST_NAME} holds version {manifest.version}",
         )
-    return digest, manifest.version
+    return manifest
 
 
 def _read_config(directory: Path) -> dict[str, Any]:

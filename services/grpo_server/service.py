@@ -26,7 +26,13 @@ from grpo_api.protocol import (
     TrainingProgress,
 )
 from grpo_server import metrics
-from grpo_server.adapter_checks import AdapterRefusal, ServedModel, check_adapter
+from grpo_server.adapter_checks import (
+    AdapterRefusal,
+    CheckedAdapter,
+    ServedModel,
+    inspect_adapter,
+    verify_adapter_files,
+)
 from grpo_server.engines import choose_engine, create_engine
 from grpo_server.engines.base import AdapterHandle, AdapterLoadError, Engine, PromptResult, SamplingOptions
 from grpo_server.errors import ApiError
@@ -260,7 +266,7 @@ class GenerationService:
         assert path is not None
         served = ServedModel(self.settings.served_model_name, self.settings.model_dir, self.fingerprint)
         checked = await asyncio.to_thread(
-            check_adapter,
+            inspect_adapter,
             path,
             root=self.settings.adapter_root,
             served=served,
@@ -276,14 +282,12 @@ class GenerationService:
                     "adapter_checksum_mismatch",
                     f"version {version} is already loaded with other contents; publish a new version",
                 )
+            await asyncio.to_thread(verify_adapter_files, checked)
             existing.info = existing.info.model_copy(update={"loaded_at": dt.datetime.now(dt.UTC)})
             adapter = existing
         else:
             handle = AdapterHandle(adapter_name(version), self.registry.next_int_id(), str(checked.path))
-            try:
-                await engine.add_adapter(handle)
-            except AdapterLoadError as exc:
-                raise AdapterRefusal("adapter_load_failed", str(exc)) from exc
+            await self._load_verified(engine, handle, checked)
             info = ActiveAdapter(
                 name=handle.name,
                 version=version,
@@ -297,6 +301,26 @@ class GenerationService:
         metrics.ACTIVE_ADAPTER_VERSION.set(version)
         await self._evict()
         return adapter
+
+    async def _load_verified(self, engine: Engine, handle: AdapterHandle, checked: CheckedAdapter) -> None:
+        """Engine load and checksum verification side by side; unloaded again unless both succeed.
+
+        No request can use the version before it is registered and activated, which happens
+        only after this returns, so a file that fails its checksum is never served.
+        """
+        verify = asyncio.create_task(asyncio.to_thread(verify_adapter_files, checked))
+        load = asyncio.create_task(engine.add_adapter(handle))
+        await asyncio.wait((verify, load))
+        verify_error, load_error = verify.exception(), load.exception()
+        if verify_error is not None or load_error is not None:
+            if load_error is None:
+                await engine.remove_adapter(handle)
+            if verify_error is not None:
+                raise verify_error
+            if isinstance(load_error, AdapterLoadError):
+                raise AdapterRefusal("adapter_load_failed", str(load_error)) from load_error
+            assert load_error is not None
+            raise load_error
 
     async def clear_adapter(self) -> None:
         self.require_engine()

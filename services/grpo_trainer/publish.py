@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpo_api.adapters import (
@@ -42,6 +43,8 @@ class PublishedAdapter:
     path: Path
     sha256: str
     size_bytes: int
+    #: Seconds per phase: save (write + hash + fsync of the files), manifest, fsync (tree), rename.
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def check_servable(adapter_dir: Path) -> None:
@@ -95,28 +98,45 @@ class AdapterStore:
         known = list_versions(self.root)
         return max([self.floor, *known, *self._steps]) + 1
 
-    def publish(self, save: Callable[[Path], None], step: int) -> PublishedAdapter:
-        """Save via `save(dir)`, check, write the manifest, fsync, rename to v<N>."""
+    def publish(self, save: Callable[[Path], Mapping[str, str] | None], step: int) -> PublishedAdapter:
+        """Save via `save(dir)`, check, write the manifest, fsync, rename to v<N>.
+
+        `save` may return the sha256 of files it hashed while writing them; those are not read back.
+        """
         self.root.mkdir(parents=True, exist_ok=True)
         version = self.next_version()
         tmp = self.root / f"{TMP_PREFIX}v{version}-{uuid.uuid4().hex[:8]}"
+        phases: dict[str, float] = {}
+        clock = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            phases[name] = now - clock
+            clock = now
+
         try:
-            save(tmp)
+            known = save(tmp)
+            lap("save")
             check_servable(tmp)
             manifest = build_manifest(
-                tmp, version=version, step=step, base_model_fingerprint=self.base_model_fingerprint
+                tmp, version=version, step=step, base_model_fingerprint=self.base_model_fingerprint, known=known
             )
             write_manifest(tmp, manifest)
+            lap("manifest")
             fsync_tree(tmp)
+            lap("fsync")
             final = version_dir(self.root, version)
             os.rename(tmp, final)
             _fsync_dir(self.root)
+            lap("rename")
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         self._steps[version] = step
         return PublishedAdapter(
-            version=version, step=step, path=final, sha256=manifest.digest(), size_bytes=_dir_size(final)
+            version=version, step=step, path=final, sha256=manifest.digest(), size_bytes=_dir_size(final),
+            phases=phases,
         )
 
     def step_of(self, version: int) -> int | None:

@@ -17,6 +17,7 @@ from grpo_api.fingerprint import model_fingerprint
 from grpo_api.models import Mode
 from grpo_api.protocol import ENV_ATTEMPT, HealthResponse, TrainingProgress
 from grpo_api.runconfig import RunConfig, RunConfigError
+from grpo_trainer.adapter_io import publish_dtype
 from grpo_trainer.checkpoints import latest_complete, remove_incomplete
 from grpo_trainer.client import ServerClient
 from grpo_trainer.config import Platform
@@ -146,7 +147,9 @@ def _train(
         raise TrainingFailed(f"spec.trainer settings rejected by TRL: {exc}") from exc
     model = _load_model(model_dir, spec.model.dtype, quantize=t.lora.quantize_base, platform=platform)
     session = TrainingSession(sync=sync, metrics=metrics, progress_file=Path(cfg.paths.progress_file),
-                              max_steps=t.max_steps, sync_interval=t.sync_interval, attempt=attempt, log=log)
+                              max_steps=t.max_steps, sync_interval=t.sync_interval, attempt=attempt,
+                              publish_dtype=publish_dtype(str(spec.server.dtype) if spec.server else "auto", model_dir),
+                              log=log)
     trainer_kwargs: dict[str, Any] = {
         "model": model,
         "reward_funcs": reward_funcs,

@@ -21,6 +21,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from grpo_api.adapters import read_manifest
 from grpo_api.protocol import TrainingProgress
+from grpo_trainer.adapter_io import save_peft_adapter
 from grpo_trainer.checkpoints import mark_complete
 from grpo_trainer.metrics import TrainerMetrics
 from grpo_trainer.progress import append_history, now, write_progress
@@ -39,6 +40,7 @@ class TrainingSession:
         max_steps: int,
         sync_interval: int,
         attempt: int,
+        publish_dtype: str = "float32",
         log: Callable[[str], None] = print,
     ) -> None:
         self.sync = sync
@@ -47,6 +49,7 @@ class TrainingSession:
         self.max_steps = max_steps
         self.sync_interval = sync_interval
         self.attempt = attempt
+        self.publish_dtype = publish_dtype
         self.trainer: Any = None
         self.last_sync: SyncResult | None = None
         self.staleness: Callable[[], int | None] = lambda: None
@@ -61,9 +64,10 @@ class TrainingSession:
 
     # ------------------------------------------------------------------------------------------ adapters
 
-    def save_adapter(self, directory: Path) -> None:
+    def save_adapter(self, directory: Path) -> dict[str, str]:
+        """Write the served adapter (in the serving dtype, hashed while written); returns {file: sha256}."""
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        model.save_pretrained(str(directory))
+        return save_peft_adapter(model, directory, dtype=self.publish_dtype)
 
     def publish(self, step: int, reason: str) -> SyncResult:
         result = self.sync.sync(self.save_adapter, step)

@@ -9,7 +9,7 @@ trainer never keeps training against a server that serves a stale policy.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +53,7 @@ class AdapterSync:
         self.active: PublishedAdapter | None = None
         self._log = log
 
-    def sync(self, save: Callable[[Path], None], step: int) -> SyncResult:
+    def sync(self, save: Callable[[Path], Mapping[str, str] | None], step: int) -> SyncResult:
         """Publish the adapter saved by `save` as a new version and make it active on the server."""
         started = time.monotonic()
         adapter = self.store.publish(save, step)

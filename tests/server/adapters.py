@@ -2,13 +2,16 @@
 
 `LoraMaker` saves adapters with random (non-zero) B matrices, so every version changes the
 model's output; `publish` writes the manifest into a temporary directory and renames it
-atomically to `<root>/v<N>`, with `grpo_api.adapters` as the trainer uses it.
+atomically to `<root>/v<N>`, with `grpo_api.adapters` as the trainer uses it. It keeps one
+PEFT model per LoRA configuration and draws fresh A and B matrices for each save, so a
+1.5B-parameter base (the GPU runs) is copied once per configuration, not once per adapter.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import shutil
 import uuid
@@ -27,21 +30,32 @@ class LoraMaker:
         torch.set_num_threads(1)
         self.model_dir = model_dir
         self.fingerprint = model_fingerprint(model_dir)
-        self._base = AutoModelForCausalLM.from_pretrained(model_dir)
+        self._base = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
+        self._models: dict[str, Any] = {}
+
+    def _model(self, options: dict[str, Any]) -> Any:
+        from peft import LoraConfig, get_peft_model
+
+        key = json.dumps(options, sort_keys=True, default=str)
+        if key not in self._models:
+            self._models[key] = get_peft_model(copy.deepcopy(self._base), LoraConfig(**options))
+        return self._models[key]
 
     def save(self, out_dir: Path, *, seed: int, r: int = 8, scale: float = 0.5, **lora_kwargs: Any) -> Path:
         """Write an adapter (adapter_config.json + adapter_model.safetensors) to out_dir."""
         import torch
-        from peft import LoraConfig, get_peft_model
 
-        torch.manual_seed(seed)
         options: dict[str, Any] = {"r": r, "lora_alpha": 2 * r, "target_modules": "all-linear"}
         options.update(lora_kwargs)
-        model = get_peft_model(copy.deepcopy(self._base), LoraConfig(**options))
+        model = self._model(options)
+        generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if "lora_B" in name or "lora_embedding_B" in name:
-                    param.normal_(0.0, scale)
+                if "lora_A" in name or "lora_embedding_A" in name:
+                    bound = 1.0 / math.sqrt(param.shape[-1])  # PEFT's kaiming-uniform scale
+                    param.copy_(torch.empty(param.shape).uniform_(-bound, bound, generator=generator))
+                elif "lora_B" in name or "lora_embedding_B" in name:
+                    param.copy_(torch.empty(param.shape).normal_(0.0, scale, generator=generator))
         model.save_pretrained(str(out_dir))
         return out_dir
 

@@ -261,6 +261,17 @@ def prepare_tampered_file(server, maker, version, tmp):
     return ours(path, version, digest)
 
 
+def prepare_tampered_tensor_bytes(server, maker, version, tmp):
+    """Still a valid safetensors file (the header is intact): only the checksum, verified while the
+    engine loads it, can catch this; the engine must never serve it."""
+    path, digest = maker.publish(server.adapter_root, version, seed=1)
+    weights = path / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x40
+    weights.write_bytes(bytes(data))
+    return ours(path, version, digest)
+
+
 def prepare_extra_file(server, maker, version, tmp):
     path, digest = maker.publish(server.adapter_root, version, seed=1)
     (path / "injected.py").write_text("print('hi')")
@@ -307,6 +318,7 @@ REFUSALS: list[tuple[str, Callable[..., dict[str, Any]], int, str]] = [
     ("lm_head target", prepare_lm_head_target, 422, "adapter_unsupported"),
     ("embedding target", prepare_embedding_target, 422, "adapter_unsupported"),
     ("file changed after publication", prepare_tampered_file, 409, "adapter_checksum_mismatch"),
+    ("tensor bytes changed after publication", prepare_tampered_tensor_bytes, 409, "adapter_checksum_mismatch"),
     ("file not in the manifest", prepare_extra_file, 409, "adapter_checksum_mismatch"),
     ("sha256 not the manifest digest", prepare_wrong_sha, 409, "adapter_checksum_mismatch"),
     ("manifest missing", prepare_no_manifest, 409, "adapter_checksum_mismatch"),
@@ -329,6 +341,8 @@ def test_refused_adapters_get_4xx_with_the_reason_and_the_previous_adapter_stays
     after = complete(server)
     assert after.status_code == 200 and after.json()["adapter_version"] == loaded
     assert token_ids(after) == before
+    served = [card["id"] for card in httpx.get(server.url + "/v1/models").json()["data"]]
+    assert not any(name.startswith("policy-v") and int(name[8:]) > loaded for name in served), served
     metrics = httpx.get(server.url + "/metrics").text
     assert f'grpo_server_adapter_load_failures_total{{reason="{reason}"}}' in metrics
 

@@ -54,7 +54,7 @@ def create_engine(
     if kind == "vllm":
         from grpo_server.engines.vllm_engine import VllmEngine
 
-        return VllmEngine(model_dir, served_name, server)
+        return VllmEngine(model_dir, served_name, server, tokenizer)
     from grpo_server.engines.transformers_engine import TransformersEngine
 
     return TransformersEngine(model_dir, tokenizer, dtype=str(server.dtype), max_model_len=server.max_model_len)

@@ -5,17 +5,24 @@ Logprobs are `processed_logprobs` (after temperature/top-k/top-p), stats logging
 so vLLM's `vllm:` metrics register on prometheus_client's default registry, which the
 server's /metrics exposes. Every adapter version is added under its own name and id
 and awaited before the trigger answers; requests carry their `LoRARequest`.
+
+The logprob path is the costly one in vLLM 0.26 (BENCHMARKS.md): with default settings
+its frontend decodes every logprob token (`tokenizer.decode([id])` per token per step)
+and builds a `Logprob` object per token. Requests here ask for `flat_logprobs` (a few
+flat lists per request instead of per-token objects) and `detokenize=False` unless stop
+strings need incremental detokenization; the completion text is decoded once at the
+end with the fast tokenizer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import math
 import os
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm import SamplingParams, TokensPrompt
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -35,6 +42,10 @@ from grpo_server.engines.base import (
     PromptResult,
     SamplingOptions,
 )
+from grpo_server.engines.logprobs import sampled_logprobs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +86,11 @@ class VllmEngine:
 
     name = "vllm"
 
-    def __init__(self, model_dir: Path, served_name: str, server: ServerSpec) -> None:
+    def __init__(
+        self, model_dir: Path, served_name: str, server: ServerSpec, tokenizer: PreTrainedTokenizerBase
+    ) -> None:
         self._args = engine_args(model_dir, served_name, server)
+        self._tokenizer = tokenizer
         self._llm: AsyncLLM | None = None
 
     async def start(self) -> None:
@@ -129,7 +143,7 @@ class VllmEngine:
     async def generate(
         self, prompts: list[list[int]], options: SamplingOptions, adapter: AdapterHandle | None
     ) -> list[PromptResult]:
-        params = self._sampling_params(options)
+        params = sampling_params(options)
         lora = LoRARequest(adapter.name, adapter.int_id, adapter.path) if adapter is not None else None
         batch = uuid.uuid4().hex
         try:
@@ -140,7 +154,20 @@ class VllmEngine:
                 ]
         except ExceptionGroup as group_error:
             raise _as_engine_error(group_error.exceptions[0]) from group_error
-        return [task.result() for task in tasks]
+        results = [task.result() for task in tasks]
+        if not params.detokenize:
+            self._decode_texts(results, options.skip_special_tokens)
+        return results
+
+    def _decode_texts(self, results: list[PromptResult], skip_special_tokens: bool) -> None:
+        """Fill each completion's text with one batched decode (vLLM was asked not to detokenize)."""
+        texts = iter(
+            self._tokenizer.batch_decode(
+                [c.token_ids for r in results for c in r.completions], skip_special_tokens=skip_special_tokens
+            )
+        )
+        for result in results:
+            result.completions[:] = [dataclasses.replace(c, text=next(texts)) for c in result.completions]
 
     async def _one(
         self, ids: list[int], params: SamplingParams, request_id: str, lora: LoRARequest | None
@@ -155,33 +182,36 @@ class VllmEngine:
         completions = [_completion(c) for c in sorted(final.outputs, key=lambda c: c.index)]
         return PromptResult(list(final.prompt_token_ids or ids), completions)
 
-    @staticmethod
-    def _sampling_params(options: SamplingOptions) -> SamplingParams:
-        structured = StructuredOutputsParams(regex=options.regex) if options.regex is not None else None
-        try:
-            return SamplingParams(
-                n=options.n,
-                temperature=options.temperature,
-                top_p=options.top_p,
-                top_k=options.top_k if options.top_k > 0 else 0,
-                min_p=options.min_p,
-                repetition_penalty=options.repetition_penalty,
-                frequency_penalty=options.frequency_penalty,
-                presence_penalty=options.presence_penalty,
-                max_tokens=options.max_tokens,
-                min_tokens=options.min_tokens,
-                seed=options.seed,
-                stop=list(options.stop) or None,
-                stop_token_ids=list(options.stop_token_ids) or None,
-                include_stop_str_in_output=options.include_stop_str_in_output,
-                ignore_eos=options.ignore_eos,
-                skip_special_tokens=options.skip_special_tokens,
-                logprobs=options.top_logprobs,
-                structured_outputs=structured,
-                output_kind=RequestOutputKind.FINAL_ONLY,
-            )
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from exc
+
+def sampling_params(options: SamplingOptions) -> SamplingParams:
+    """vLLM SamplingParams for one request: flat logprobs, and no detokenization unless stop strings need it."""
+    structured = StructuredOutputsParams(regex=options.regex) if options.regex is not None else None
+    try:
+        return SamplingParams(
+            n=options.n,
+            temperature=options.temperature,
+            top_p=options.top_p,
+            top_k=options.top_k if options.top_k > 0 else 0,
+            min_p=options.min_p,
+            repetition_penalty=options.repetition_penalty,
+            frequency_penalty=options.frequency_penalty,
+            presence_penalty=options.presence_penalty,
+            max_tokens=options.max_tokens,
+            min_tokens=options.min_tokens,
+            seed=options.seed,
+            stop=list(options.stop) or None,
+            stop_token_ids=list(options.stop_token_ids) or None,
+            include_stop_str_in_output=options.include_stop_str_in_output,
+            ignore_eos=options.ignore_eos,
+            skip_special_tokens=options.skip_special_tokens,
+            logprobs=options.top_logprobs,
+            flat_logprobs=True,
+            detokenize=bool(options.stop),  # stop strings are matched on vLLM's incremental text
+            structured_outputs=structured,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from exc
 
 
 def _as_engine_error(exc: BaseException) -> Exception:
@@ -195,14 +225,10 @@ def _as_engine_error(exc: BaseException) -> Exception:
 
 def _completion(output: Any) -> Completion:
     token_ids = [int(t) for t in output.token_ids]
-    logprobs: list[float] = []
-    top: list[list[tuple[int, float]]] = []
-    for position, token in enumerate(token_ids):
-        entries = output.logprobs[position] if output.logprobs is not None else {}
-        ranked = sorted(entries.items(), key=lambda item: item[1].rank if item[1].rank is not None else math.inf)
-        top.append([(int(t), float(lp.logprob)) for t, lp in ranked])
-        sampled = entries.get(token)
-        logprobs.append(float(sampled.logprob) if sampled is not None else math.nan)
+    try:
+        logprobs, top = sampled_logprobs(output.logprobs, len(token_ids))
+    except ValueError as exc:
+        raise EngineError(str(exc)) from exc
     reason = output.finish_reason
     if reason not in ("stop", "length"):
         raise EngineError(f"generation ended with finish_reason={reason!r}")

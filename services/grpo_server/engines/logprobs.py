@@ -1,0 +1,49 @@
+"""Reading vLLM's flat logprobs (`vllm.logprobs.FlatLogprobs`) without per-token objects.
+
+Pure: it reads the container's flat lists by attribute, so it is tested without vLLM.
+vLLM's sampler puts the sampled token first at every position, then the top-k
+alternatives by rank (the sampled token a second time when it is among them).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+
+class FlatLogprobsLike(Protocol):
+    """The fields of `vllm.logprobs.FlatLogprobs` this module reads."""
+
+    start_indices: list[int]
+    end_indices: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int | None]
+
+
+def sampled_logprobs(flat: Any, positions: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Per position: the sampled token's logprob, and (token id, logprob) pairs ranked best first.
+
+    `flat` is None when the request asked for no logprobs (NaN per position then).
+    Raises ValueError when the container is not flat or does not cover every position.
+    """
+    if flat is None:
+        return [math.nan] * positions, [[] for _ in range(positions)]
+    if not all(hasattr(flat, name) for name in ("start_indices", "end_indices", "token_ids", "logprobs", "ranks")):
+        raise ValueError(f"expected flat logprobs (flat_logprobs=True), got {type(flat).__name__}")
+    starts, ends = flat.start_indices, flat.end_indices
+    if len(starts) != positions or len(ends) != positions:
+        raise ValueError(f"logprobs cover {len(starts)} positions, the completion has {positions} tokens")
+    ids, values, ranks = flat.token_ids, flat.logprobs, flat.ranks
+    sampled = [float(values[i]) for i in starts]
+    if all(end - start == 1 for start, end in zip(starts, ends, strict=True)):  # logprobs=0: sampled only
+        return sampled, [[(int(ids[i]), float(values[i]))] for i in starts]
+    top: list[list[tuple[int, float]]] = []
+    for start, end in zip(starts, ends, strict=True):
+        entries: dict[int, tuple[float, float]] = {}
+        for i in range(start, end):
+            rank = ranks[i]
+            entries.setdefault(int(ids[i]), (math.inf if rank is None else float(rank), float(values[i])))
+        ranked = sorted(entries.items(), key=lambda item: item[1][0])
+        top.append([(token, logprob) for token, (_rank, logprob) in ranked])
+    return sampled, top

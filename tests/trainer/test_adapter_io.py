@@ -1,0 +1,100 @@
+"""The trainer's adapter writer: PEFT's tensors and config, in the serving dtype, hashed while written."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from grpo_api.adapters import MANIFEST_NAME, sha256_file, verify_manifest
+from grpo_trainer.adapter_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, publish_dtype, save_peft_adapter
+from grpo_trainer.publish import AdapterStore
+
+
+@pytest.fixture(scope="module", params=["CAUSAL_LM", None], ids=["causal-lm", "no-task-type"])
+def peft_model(tiny_model_dir: Path, request):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type=request.param))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_written_adapter_matches_peft_save_pretrained_and_loads_in_peft(peft_model, tiny_model_dir, tmp_path, dtype):
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    digests = save_peft_adapter(peft_model, ours, dtype=dtype)
+    peft_model.save_pretrained(str(theirs))
+
+    assert digests == {name: sha256_file(ours / name) for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)}
+    our_config, their_config = (json.loads((d / ADAPTER_CONFIG).read_text()) for d in (ours, theirs))
+    assert set(our_config.pop("target_modules")) == set(their_config.pop("target_modules"))  # a set in PEFT
+    assert our_config == their_config
+    our_weights, their_weights = load_file(ours / ADAPTER_WEIGHTS), load_file(theirs / ADAPTER_WEIGHTS)
+    assert our_weights.keys() == their_weights.keys() and our_weights
+    for name, tensor in our_weights.items():
+        assert tensor.dtype == getattr(torch, dtype)
+        torch.testing.assert_close(tensor.float(), their_weights[name].to(tensor.dtype).float(), rtol=0, atol=0)
+
+    # the real loading code (what the transformers engine does) reproduces the adapter's outputs
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    loaded = PeftModel.from_pretrained(base, str(ours)).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        expected = peft_model.eval()(ids).logits
+        got = loaded(ids).logits
+    tolerance = 0 if dtype == "float32" else 5e-2
+    torch.testing.assert_close(got, expected, rtol=0, atol=tolerance)
+    if dtype == "bfloat16":
+        assert (ours / ADAPTER_WEIGHTS).stat().st_size < 0.6 * (theirs / ADAPTER_WEIGHTS).stat().st_size
+
+
+def test_store_publishes_the_writer_output_without_rehashing_and_the_manifest_verifies(peft_model, tmp_path,
+                                                                                        monkeypatch):
+    import grpo_api.adapters as adapters
+
+    store = AdapterStore(tmp_path / "adapters", "sha256:base")
+    reads: list[str] = []
+    real = adapters.sha256_file
+    monkeypatch.setattr(adapters, "sha256_file", lambda p, *a, **k: reads.append(Path(p).name) or real(p, *a, **k))
+    published = store.publish(lambda d: save_peft_adapter(peft_model, d, dtype="bfloat16"), step=3)
+    assert reads == []  # both files were hashed from memory while being written
+    monkeypatch.undo()
+    manifest = verify_manifest(published.path)
+    assert set(manifest.files) == {ADAPTER_WEIGHTS, ADAPTER_CONFIG}
+    assert not (published.path / "README.md").exists() and (published.path / MANIFEST_NAME).is_file()
+
+
+def test_publish_dtype_follows_the_servers_16_bit_dtype(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    assert publish_dtype("bfloat16", model) == "bfloat16"
+    assert publish_dtype("float16", model) == "float16"
+    assert publish_dtype("float32", model) == "float32"
+    assert publish_dtype("auto", model) == "bfloat16"
+    (model / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    assert publish_dtype("auto", model) == "float32"
+    (model / "config.json").unlink()
+    assert publish_dtype("auto", model) == "float32"
+
+
+def test_the_writer_refuses_to_overwrite_an_existing_file(peft_model, tmp_path):
+    target = tmp_path / "v"
+    save_peft_adapter(peft_model, target, dtype="float32")
+    with pytest.raises(FileExistsError):
+        save_peft_adapter(copy.deepcopy(peft_model), target, dtype="float32")
