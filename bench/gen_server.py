@@ -62,9 +62,12 @@ def server_spec() -> ServerSpec:
 
 
 async def direct(model: Path, adapter: Path, work: Workload) -> dict[str, Any]:
+    """The engine without HTTP, with the sampler's logprobs and with prefill rescoring; and how far they differ."""
+    import math
+
     from transformers import AutoTokenizer
 
-    from grpo_server.engines.base import AdapterHandle, SamplingOptions
+    from grpo_server.engines.base import AdapterHandle, PromptResult, SamplingOptions
     from grpo_server.engines.vllm_engine import VllmEngine
 
     engine = VllmEngine(model, "bench", server_spec(), AutoTokenizer.from_pretrained(model))
@@ -74,23 +77,40 @@ async def direct(model: Path, adapter: Path, work: Workload) -> dict[str, Any]:
     handle = AdapterHandle("policy-v1", 1, str(adapter))
     await engine.add_adapter(handle)
 
-    async def one(i: int, ids: list[int], max_tokens: int) -> int:
+    async def one(i: int, ids: list[int], max_tokens: int) -> PromptResult:
         options = SamplingOptions(n=work.n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=i)
         [result] = await engine.generate([ids], options, handle)
         assert all(len(c.logprobs) == len(c.token_ids) for c in result.completions)
-        return sum(len(c.token_ids) for c in result.completions)
+        assert all(not math.isnan(lp) for c in result.completions for lp in c.logprobs)
+        return result
 
-    async def run(w: Workload) -> dict[str, float]:
+    async def run(w: Workload) -> tuple[dict[str, float], list[PromptResult]]:
         t = time.perf_counter()
-        tokens = sum(await asyncio.gather(*(one(i, p, m) for i, (p, m) in enumerate(zip(w.prompts, w.max_tokens,
-                                                                                           strict=True)))))
+        results = await asyncio.gather(*(one(i, p, m) for i, (p, m) in enumerate(zip(w.prompts, w.max_tokens,
+                                                                                      strict=True))))
         wall = time.perf_counter() - t
-        return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall}
+        tokens = sum(len(c.token_ids) for r in results for c in r.completions)
+        return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall}, results
 
-    await run(work.subset(8))  # warm-up
-    result = await run(work)
+    runs: dict[str, Any] = {"engine_start_s": start_s}
+    for source in ("sampler", "auto"):
+        engine.logprobs_source = source
+        await run(work.subset(8))  # warm-up
+        runs[f"lora_logprobs_{source}"], _ = await run(work)
+    # the same sampled tokens scored both ways: the sampler's processed logprobs against the prefill's
+    engine.logprobs_source = "sampler"
+    _, sampled = await run(work.subset(8))
+    rescored = await engine.rescore(sampled, handle)
+    diffs = sorted(abs(a - b) for r0, r1 in zip(sampled, rescored, strict=True)
+                   for c0, c1 in zip(r0.completions, r1.completions, strict=True)
+                   for a, b in zip(c0.logprobs, c1.logprobs, strict=True))
+    runs["rescore_vs_sampler"] = {
+        "tokens": len(diffs), "mean_abs_diff": statistics.fmean(diffs), "p50_abs_diff": diffs[len(diffs) // 2],
+        "p99_abs_diff": diffs[int(0.99 * (len(diffs) - 1))], "max_abs_diff": diffs[-1],
+    }
+    runs["lora_logprobs"] = runs["lora_logprobs_auto"]
     await engine.shutdown()
-    return {"engine_start_s": start_s, "lora_logprobs": result}
+    return runs
 
 
 # --------------------------------------------------------------------------------------------- http
@@ -220,10 +240,35 @@ async def http_bench(
             gen = await run(work)
             if spy is not None:
                 spy.wait(60)
+            consistency = await logprob_consistency(client, work)
             sync = await sync_bench(client, publisher, headers, syncs)
     finally:
         stop_server(proc)
-    return {"server_start_s": start_s, "lora_logprobs": gen, "sync": sync, "publish_dtype": publish_dtype}
+    return {"server_start_s": start_s, "lora_logprobs": gen, "sync": sync, "publish_dtype": publish_dtype,
+            "rescore_vs_sampler": consistency}
+
+
+async def logprob_consistency(client: httpx.AsyncClient, work: Workload, requests: int = 16) -> dict[str, Any]:
+    """The same seeded sample twice, one request at a time: `logprobs: 1` takes the sampler's logprobs,
+    `logprobs: 0` the prefill rescoring; |difference| of the sampled tokens' logprobs where the tokens agree."""
+    diffs: list[float] = []
+    identical = 0
+    for i in range(requests):
+        body = {"model": "bench", "prompt": [work.prompts[i][:64]], "n": 1, "max_tokens": 64, "temperature": 1.0,
+                "return_token_ids": True, "ignore_eos": True, "seed": 1000 + i}
+        sampler = (await client.post("/v1/completions", json={**body, "logprobs": 1})).json()["choices"][0]
+        rescored = (await client.post("/v1/completions", json={**body, "logprobs": 0})).json()["choices"][0]
+        identical += sampler["token_ids"] == rescored["token_ids"]
+        for a, b, la, lb in zip(sampler["token_ids"], rescored["token_ids"], sampler["logprobs"]["token_logprobs"],
+                                rescored["logprobs"]["token_logprobs"], strict=True):
+            if a != b:
+                break
+            diffs.append(abs(la - lb))
+    diffs.sort()
+    return {"requests": requests, "identical_samples": identical, "tokens_compared": len(diffs),
+            "mean_abs_diff": statistics.fmean(diffs) if diffs else None,
+            "p99_abs_diff": diffs[int(0.99 * (len(diffs) - 1))] if diffs else None,
+            "max_abs_diff": diffs[-1] if diffs else None}
 
 
 async def sync_bench(client: httpx.AsyncClient, publisher: Publisher, headers: dict[str, str],
@@ -352,8 +397,14 @@ def main() -> None:
         dump(args.out, {"benchmark": "generation, engine called directly (no HTTP)", "machine": machine(),
                         "date": today, "command": f"python bench/gen_server.py direct --model {args.model} "
                         f"--adapter {args.adapter} --out $OUT/gen_direct.json", "runs": result,
-                        "figures": [figure("VllmEngine direct, LoRA + logprobs",
-                                           result["lora_logprobs"]["tokens_per_s"], "tokens/s")]})
+                        "figures": [
+                            figure("VllmEngine direct, LoRA + logprobs rescored in a prefill pass (auto)",
+                                   result["lora_logprobs_auto"]["tokens_per_s"], "tokens/s",
+                                   baseline="same engine, the sampler's logprobs",
+                                   baseline_value=result["lora_logprobs_sampler"]["tokens_per_s"]),
+                            figure("rescored vs sampler logprob, mean |diff|",
+                                   result["rescore_vs_sampler"]["mean_abs_diff"], "nats"),
+                        ]})
         return
     work_dir = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
     from grpo_trainer.adapter_io import publish_dtype
@@ -387,6 +438,9 @@ def main() -> None:
         figure("failed requests during syncs", sync["error_count"], "count", target="0"),
         figure("wrong-version responses", sync["wrong_version_count"], "count", target="0"),
     ]
+    if result["rescore_vs_sampler"]["mean_abs_diff"] is not None:
+        figures.append(figure("rescored vs sampler logprob, mean |diff| (same seeded samples)",
+                              result["rescore_vs_sampler"]["mean_abs_diff"], "nats"))
     dump(args.out, {"benchmark": "generation through the server (HTTP) and adapter sync", "machine": machine(),
                     "date": today, "command": f"python bench/gen_server.py http --model {args.model} --adapter "
                     f"{args.adapter} --out $OUT/gen_http.json --direct $OUT/gen_direct.json --offline "

@@ -42,8 +42,11 @@ def summarise(lines: list[str], top: int) -> str:
         count = int(count_text)
         frames = stack.split(";")
         process = "all"
-        if frames and frames[0].startswith("process "):
-            process = frames.pop(0)[:90]
+        while frames and frames[0].startswith("process "):  # parent first, then the child that was sampled
+            name = frames.pop(0)
+            while name.count('"') % 2 and frames:  # a command line holding ';' was split: join it back
+                name += ";" + frames.pop(0)
+            process = name[:100]
         frames = [f for f in frames if not f.startswith("thread ")]
         if not frames:
             continue

@@ -39,7 +39,7 @@ server_tests() {
   GRPO_TEST_SERVER_ENGINE=vllm GRPO_TEST_SERVER_MODEL_DIR=$M \
   GRPO_TEST_SERVER_OVERRIDES='{"gpuMemoryUtilization": 0.5, "maxModelLen": 2048, "maxLoraRank": 64, "dtype": "bfloat16", "enablePrefixCaching": false, "enforceEager": true}' \
     timeout ${TESTS_TIMEOUT:-480} $PY -m pytest tests/server/test_endpoints.py tests/server/test_adapters.py \
-      tests/server/test_swap_under_load.py -q -p no:cacheprovider \
+      tests/server/test_swap_under_load.py -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} \
       -o addopts="" --timeout 300 -rfE --junitxml="$OUT/server_tests.xml" > "$OUT/server_tests.log" 2>&1
   tail -5 "$OUT/server_tests.log"
 }
@@ -61,10 +61,10 @@ gen_offline() {
 
 gen_server() {
   log "engine direct, server HTTP, adapter sync"
-  timeout 180 $PY bench/gen_server.py direct --model $M --adapter $A --out "$OUT/gen_direct.json" 2>&1 | tail -20 > "$OUT/gen_direct.log"
-  free_gpu
+  [ -n "${SKIP_DIRECT:-}" ] || timeout 180 $PY bench/gen_server.py direct --model $M --adapter $A --out "$OUT/gen_direct.json" 2>&1 | tail -20 > "$OUT/gen_direct.log"
+  [ -n "${SKIP_DIRECT:-}" ] || free_gpu
   timeout 380 $PY bench/gen_server.py http --model $M --adapter $A --out "$OUT/gen_http.json" \
-    --direct "$OUT/gen_direct.json" --offline "${OFFLINE:-$OUT/gen_offline.json}" --profile "$OUT/profile" \
+    --direct "$OUT/gen_direct.json" --offline "${OFFLINE:-$OUT/gen_offline.json}" --profile "$OUT/profile" ${SKIP_RELOAD:+--skip-reload} \
     2>&1 | tail -30 > "$OUT/gen_http.log"
   cp /tmp/grpo-bench-*/server.log "$OUT/gen_http_server.log" 2>/dev/null
   tail -5 "$OUT/gen_direct.log" "$OUT/gen_http.log"

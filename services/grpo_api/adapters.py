@@ -51,24 +51,32 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def write_file_durably(path: Path, data: bytes) -> str:
-    """Write `data` to a new file, fsync it, and return its sha256.
+def write_file_durably(path: Path, *parts: bytes | memoryview) -> str:
+    """Write the parts, in order, to a new file, fsync it, and return the file's sha256.
 
     The digest is computed from memory (never read back), in a thread while the bytes are
     written: hashlib and os.write both release the GIL.
     """
+
+    def digest() -> str:
+        h = hashlib.sha256()
+        for part in parts:
+            h.update(part)
+        return h.hexdigest()
+
     with ThreadPoolExecutor(max_workers=1) as pool:
-        digest = pool.submit(lambda: hashlib.sha256(data).hexdigest())
+        hashed = pool.submit(digest)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
+            for part in parts:
+                view = memoryview(part).cast("B")
+                while view:
+                    written = os.write(fd, view)
+                    view = view[written:]
             os.fsync(fd)
         finally:
             os.close(fd)
-        return digest.result()
+        return hashed.result()
 
 
 def version_dir(root: Path, version: int) -> Path:

@@ -162,6 +162,11 @@ class Engine(StrEnum):
     TRANSFORMERS = "transformers"
 
 
+class LogprobsSource(StrEnum):
+    AUTO = "auto"
+    SAMPLER = "sampler"
+
+
 def _gpu_resources() -> Resources:
     return Resources(requests={"cpu": "4", "memory": "32Gi"}, limits={"nvidia.com/gpu": 1, "memory": "64Gi"})
 
@@ -195,6 +200,14 @@ class ServerSpec(ApiModel):
         default=4, ge=1, le=64, description="Adapters resident at once (at least the staleness window + 1)."
     )
     max_lora_rank: int = Field(default=64, description="Largest LoRA rank the server accepts.")
+    logprobs_source: LogprobsSource = Field(
+        default=LogprobsSource.AUTO,
+        description="Where the vllm engine takes the sampled tokens' logprobs from. sampler: vLLM's "
+        "sampler, streamed with every decoding step (costly in vLLM 0.26). auto: when the processed "
+        "logprobs equal the model's own (temperature 1, no top-k/top-p/min-p, no penalties, no "
+        "alternatives asked), generate without logprobs and score the completions in one prefill pass; "
+        "otherwise the sampler.",
+    )
     extra_engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra vLLM engine arguments (AsyncEngineArgs field names).",

@@ -4,16 +4,23 @@ PEFT's `save_pretrained` writes the trainable float32 weights, a model card, and
 leaves the publisher to read every byte back to checksum it. A served adapter needs
 neither the float32 precision (vLLM casts LoRA weights to the model's dtype, so a
 bf16 model serves bf16 LoRA weights either way) nor the card. `write_adapter`
-serialises the same tensors PEFT would save (`get_peft_model_state_dict`) in the
-serving dtype, hashes the bytes while they are in memory, writes and fsyncs them,
-and returns the digests for the manifest. Checkpoints for resuming are TRL's own
-and keep full precision.
+writes the same tensors PEFT would save (`get_peft_model_state_dict`) in the serving
+dtype and returns the digests for the manifest. Checkpoints for resuming are TRL's
+own and keep full precision.
+
+The file is safetensors, laid out here rather than by `safetensors.torch.save`: the
+tensors are cast and concatenated where they live (the GPU, for a GPU trainer) and
+copied to the host once; the 8-byte header length, the JSON header and that one
+buffer are hashed while they are written, with no serialised copy in between (the
+library's save copies the 74 MB of an r=32 adapter of a 1.5B model twice). Readers
+are the library's own (`safe_open` in the server's checks, vLLM, PEFT).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +31,8 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 #: Serving dtypes an adapter may be published in; anything else keeps float32.
 HALF_DTYPES = ("bfloat16", "float16")
+#: safetensors' names for the dtypes adapters are published in.
+SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
 def publish_dtype(server_dtype: str, model_dir: Path) -> str:
@@ -45,20 +54,42 @@ def write_adapter(
     directory: Path, tensors: Mapping[str, Any], config: Mapping[str, Any], *, dtype: str
 ) -> dict[str, str]:
     """Write adapter_model.safetensors (in `dtype`) and adapter_config.json; return {file: sha256}."""
-    import torch
-    from safetensors.torch import save
-
-    target = getattr(torch, dtype)
-    cpu = {
-        name: (t.detach().to(target) if t.is_floating_point() else t.detach()).contiguous().cpu()
-        for name, t in tensors.items()
-    }
     directory.mkdir(parents=True, exist_ok=True)
-    weights = save(cpu, metadata={"format": "pt"})
-    digests = {ADAPTER_WEIGHTS: write_file_durably(directory / ADAPTER_WEIGHTS, weights)}
+    prefix, data = safetensors_parts(tensors, dtype)
+    digests = {ADAPTER_WEIGHTS: write_file_durably(directory / ADAPTER_WEIGHTS, prefix, data)}
     config_bytes = json.dumps(dict(config), indent=2, sort_keys=True).encode()
     digests[ADAPTER_CONFIG] = write_file_durably(directory / ADAPTER_CONFIG, config_bytes)
     return digests
+
+
+def safetensors_parts(tensors: Mapping[str, Any], dtype: str) -> tuple[bytes, memoryview]:
+    """(8-byte length + JSON header, tensor data) of a safetensors file holding `tensors` cast to `dtype`."""
+    import torch
+
+    if dtype not in SAFETENSORS_DTYPES:
+        raise ValueError(f"adapters are published as {', '.join(SAFETENSORS_DTYPES)}, not {dtype}")
+    target = getattr(torch, dtype)
+    names = sorted(tensors)
+    for name in names:
+        if not tensors[name].is_floating_point():
+            raise ValueError(f"adapter tensor {name} is {tensors[name].dtype}, not floating point")
+    if names:
+        flat = torch.cat([tensors[name].detach().to(target).reshape(-1) for name in names])
+    else:
+        flat = torch.empty(0, dtype=target)
+    host = flat.cpu()  # one device-to-host copy for the whole adapter
+    width = host.element_size()
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in names:
+        size = tensors[name].numel() * width
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(tensors[name].shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the format pads the header to 8 bytes with spaces
+    data = host.view(torch.uint8).numpy().data
+    return struct.pack("<Q", len(encoded)) + encoded, data
 
 
 def peft_adapter(model: Any, adapter_name: str = "default") -> tuple[dict[str, Any], dict[str, Any]]:

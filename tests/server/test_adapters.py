@@ -13,11 +13,12 @@ import httpx
 import pytest
 
 from grpo_api.protocol import ADAPTER_VERSION_HEADER, SetAdapterResponse
-from tests.fixtures.server import RunningServer, start_server
+from tests.fixtures.server import ENV_ENGINE, RunningServer, start_server
 from tests.server.adapters import LoraMaker, edit_config, publish_dir
 
 MAX_RANK = 8
 MAX_LORAS = 2
+SERVED_ENGINE = os.environ.get(ENV_ENGINE, "transformers")
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +68,24 @@ def complete(server: RunningServer, model: str | None = None, seed: int = 5) -> 
 
 def token_ids(response: httpx.Response) -> list[list[int]]:
     return [choice["token_ids"] for choice in response.json()["choices"]]
+
+
+def greedy_one_at_a_time(server: RunningServer) -> tuple[list[list[int]], list[int | None]]:
+    """Greedy tokens of two prompts sent as separate, sequential requests (and the versions that served them).
+
+    One request at a time keeps the engine's batch the same from call to call: vLLM is not
+    batch-invariant, and on a random-weight model with near-tied logits a different batch
+    can flip a greedy token. Equal outputs then mean the same adapter, on any engine.
+    """
+    outputs, versions = [], []
+    for prompt in ([5, 6, 7, 8], [50, 60]):
+        body = {"prompt": [prompt], "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
+                "return_token_ids": True}
+        response = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        outputs += token_ids(response)
+        versions.append(response.json()["adapter_version"])
+    return outputs, versions
 
 
 def active_version(server: RunningServer) -> int | None:
@@ -331,16 +350,17 @@ REFUSALS: list[tuple[str, Callable[..., dict[str, Any]], int, str]] = [
 def test_refused_adapters_get_4xx_with_the_reason_and_the_previous_adapter_stays(
     server, maker, next_version, loaded, tmp_path, case, prepare, status, reason
 ):
-    before = token_ids(complete(server))
+    if case == "engine cannot load it" and SERVED_ENGINE == "vllm":
+        pytest.skip("vLLM serves the tensors and ignores target_modules: this adapter loads there")
+    before, _ = greedy_one_at_a_time(server)
     body = prepare(server, maker, next_version(), tmp_path)
     response = trigger(server, body)
     assert response.status_code == status, response.text
     error = response.json()
     assert error["error"] == reason and error["message"]
     assert active_version(server) == loaded
-    after = complete(server)
-    assert after.status_code == 200 and after.json()["adapter_version"] == loaded
-    assert token_ids(after) == before
+    after, versions = greedy_one_at_a_time(server)
+    assert versions == [loaded, loaded] and after == before
     served = [card["id"] for card in httpx.get(server.url + "/v1/models").json()["data"]]
     assert not any(name.startswith("policy-v") and int(name[8:]) > loaded for name in served), served
     metrics = httpx.get(server.url + "/metrics").text

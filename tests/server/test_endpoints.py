@@ -202,6 +202,21 @@ def test_seeded_completions_are_reproducible(tiny_server):
     assert [c["logprobs"]["token_logprobs"] for c in first] == [c["logprobs"]["token_logprobs"] for c in second]
 
 
+def test_greedy_with_several_samples_returns_the_one_greedy_sequence_n_times(tiny_server):
+    """vLLM refuses n > 1 at temperature 0; the server answers as OpenAI does, on every engine."""
+    body = {"prompt": [[5, 6, 7], [8, 9]], "n": 3, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True,
+            "logprobs": 0, "return_token_ids": True}
+    response = post(tiny_server, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(6))
+    for group in (choices[:3], choices[3:]):
+        assert len({tuple(c["token_ids"]) for c in group}) == 1 and len(group[0]["token_ids"]) == 6
+        assert len({tuple(c["logprobs"]["token_logprobs"]) for c in group}) == 1
+    single = post(tiny_server, "/v1/completions", {**body, "prompt": [[5, 6, 7]], "n": 1}).json()["choices"]
+    assert single[0]["token_ids"] == choices[0]["token_ids"]
+
+
 def test_guided_regex_through_structured_outputs(tiny_server):
     body = post(tiny_server, "/v1/completions", {"prompt": [[5, 6, 7]], "n": 3, "max_tokens": 12, "seed": 1,
                                                  "structured_outputs": {"regex": "(yes|no)"}}).json()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ import httpx
 import pytest
 
 from grpo_api.protocol import ADAPTER_VERSION_HEADER, BOOT_ID_HEADER
-from tests.fixtures.server import RunningServer, start_server
+from tests.fixtures.server import ENV_ENGINE, RunningServer, start_server
 from tests.server.adapters import LoraMaker
 
 CLIENTS = 60
@@ -132,6 +133,9 @@ def greedy_outputs(server: RunningServer, model: str) -> dict[tuple[int, ...], l
     return {tuple(p): [choices[2 * i]["token_ids"], choices[2 * i + 1]["token_ids"]] for i, p in enumerate(prompts)}
 
 
+@pytest.mark.skipif(os.environ.get(ENV_ENGINE, "transformers") == "vllm",
+                    reason="needs a batch-invariant engine: under load vLLM batches differ from call to call, "
+                    "and on a random-weight model near-tied greedy tokens flip with the batch")
 def test_every_response_was_produced_by_the_version_it_is_tagged_with(server, load_run):
     """Greedy outputs under load equal each tagged version's own outputs (versions are all still loaded)."""
     reference: dict[int | None, dict[tuple[int, ...], list[list[int]]]] = {

@@ -98,3 +98,31 @@ def test_the_writer_refuses_to_overwrite_an_existing_file(peft_model, tmp_path):
     save_peft_adapter(peft_model, target, dtype="float32")
     with pytest.raises(FileExistsError):
         save_peft_adapter(copy.deepcopy(peft_model), target, dtype="float32")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_the_safetensors_layout_reads_back_with_the_library(tmp_path, dtype):
+    import torch
+    from safetensors import safe_open
+
+    from grpo_trainer.adapter_io import write_adapter
+
+    torch.manual_seed(1)
+    tensors = {"b.lora_B.weight": torch.randn(5, 3), "a.lora_A.weight": torch.randn(3, 7), "c.scalar": torch.randn(1)}
+    digests = write_adapter(tmp_path / "v", tensors, {"peft_type": "LORA"}, dtype=dtype)
+    assert digests[ADAPTER_WEIGHTS] == sha256_file(tmp_path / "v" / ADAPTER_WEIGHTS)
+    with safe_open(str(tmp_path / "v" / ADAPTER_WEIGHTS), framework="pt") as handle:
+        assert handle.metadata() == {"format": "pt"} and sorted(handle.keys()) == sorted(tensors)
+        for name, tensor in tensors.items():
+            assert torch.equal(handle.get_tensor(name), tensor.to(getattr(torch, dtype)))
+
+
+def test_non_float_tensors_and_other_dtypes_are_refused(tmp_path):
+    import torch
+
+    from grpo_trainer.adapter_io import write_adapter
+
+    with pytest.raises(ValueError, match="not floating point"):
+        write_adapter(tmp_path / "a", {"x": torch.ones(2, dtype=torch.int64)}, {}, dtype="float32")
+    with pytest.raises(ValueError, match="not float64"):
+        write_adapter(tmp_path / "b", {"x": torch.ones(2)}, {}, dtype="float64")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol
 
+from grpo_server.engines.base import SamplingOptions
+
 
 class FlatLogprobsLike(Protocol):
     """The fields of `vllm.logprobs.FlatLogprobs` this module reads."""
@@ -47,3 +49,48 @@ def sampled_logprobs(flat: Any, positions: int) -> tuple[list[float], list[list[
         ranked = sorted(entries.items(), key=lambda item: item[1][0])
         top.append([(token, logprob) for token, (_rank, logprob) in ranked])
     return sampled, top
+
+
+def rescore_equals_sampler(options: SamplingOptions) -> bool:
+    """True when vLLM's processed logprobs of a sample equal the model's own log-softmax.
+
+    Temperature 1 with no top-k/top-p/min-p truncation, no penalties, no min_tokens (EOS
+    masking) and no structured output leaves the logits untouched before sampling, so the
+    logprob of a sampled token can be computed afterwards in a prefill pass over prompt +
+    completion. Alternatives (top_logprobs > 0) still come from the sampler.
+    """
+    return (
+        options.top_logprobs == 0
+        and options.temperature == 1.0
+        and options.top_p == 1.0
+        and options.top_k <= 0
+        and options.min_p == 0.0
+        and options.repetition_penalty == 1.0
+        and options.frequency_penalty == 0.0
+        and options.presence_penalty == 0.0
+        and options.min_tokens == 0
+        and options.regex is None
+    )
+
+
+def completion_logprobs(flat: Any, prompt_len: int, completion: list[int]) -> list[float]:
+    """The completion tokens' logprobs out of the prompt logprobs of prompt + completion.
+
+    Position i of vLLM's prompt logprobs holds the logprob of token i given tokens < i
+    (position 0 is empty); each position's first entry is the actual token. Raises
+    ValueError when the positions are missing or name other tokens.
+    """
+    if flat is None or not hasattr(flat, "start_indices"):
+        raise ValueError(f"expected flat prompt logprobs, got {type(flat).__name__}")
+    starts, ids, values = flat.start_indices, flat.token_ids, flat.logprobs
+    ends = flat.end_indices
+    if len(starts) < prompt_len + len(completion):
+        raise ValueError(f"prompt logprobs cover {len(starts)} of {prompt_len + len(completion)} positions")
+    out = []
+    for offset, token in enumerate(completion):
+        start, end = starts[prompt_len + offset], ends[prompt_len + offset]
+        if end <= start or int(ids[start]) != token:
+            found = int(ids[start]) if end > start else None
+            raise ValueError(f"prompt logprobs at position {prompt_len + offset} are for token {found}, not {token}")
+        out.append(float(values[start]))
+    return out

@@ -8,10 +8,17 @@ and awaited before the trigger answers; requests carry their `LoRARequest`.
 
 The logprob path is the costly one in vLLM 0.26 (BENCHMARKS.md): with default settings
 its frontend decodes every logprob token (`tokenizer.decode([id])` per token per step)
-and builds a `Logprob` object per token. Requests here ask for `flat_logprobs` (a few
-flat lists per request instead of per-token objects) and `detokenize=False` unless stop
-strings need incremental detokenization; the completion text is decoded once at the
-end with the fast tokenizer.
+and builds a `Logprob` object per token, and the engine core serialises three small
+arrays per request per decoding step, which the frontend deserialises again. So:
+
+- requests ask for `flat_logprobs` (a few flat lists per request instead of per-token
+  objects) and `detokenize=False` unless stop strings need incremental detokenization;
+  the completion text is decoded once at the end with the fast tokenizer;
+- with `logprobsSource: auto` (the default), when the processed logprobs equal the
+  model's own (`rescore_equals_sampler`: GRPO's usual temperature 1 without truncation),
+  completions are generated without logprobs and then scored in one prefill pass over
+  prompt + completion (`prompt_logprobs=0`, same adapter): one array per sequence
+  instead of three per token. Anything else takes the sampler's logprobs.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from grpo_server.engines.base import (
     PromptResult,
     SamplingOptions,
 )
-from grpo_server.engines.logprobs import sampled_logprobs
+from grpo_server.engines.logprobs import completion_logprobs, rescore_equals_sampler, sampled_logprobs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -91,6 +98,7 @@ class VllmEngine:
     ) -> None:
         self._args = engine_args(model_dir, served_name, server)
         self._tokenizer = tokenizer
+        self.logprobs_source = str(server.logprobs_source)
         self._llm: AsyncLLM | None = None
 
     async def start(self) -> None:
@@ -143,7 +151,13 @@ class VllmEngine:
     async def generate(
         self, prompts: list[list[int]], options: SamplingOptions, adapter: AdapterHandle | None
     ) -> list[PromptResult]:
-        params = sampling_params(options)
+        # vLLM refuses n > 1 with greedy sampling; greedy samples are all the same sequence, so one is
+        # generated and repeated (OpenAI's and the transformers engine's answer to the same request).
+        repeat = options.n if options.greedy and options.n > 1 else 1
+        if repeat > 1:
+            options = dataclasses.replace(options, n=1)
+        rescore = self._rescores(prompts, options)
+        params = sampling_params(options, logprobs=not rescore)
         lora = LoRARequest(adapter.name, adapter.int_id, adapter.path) if adapter is not None else None
         batch = uuid.uuid4().hex
         try:
@@ -155,9 +169,61 @@ class VllmEngine:
         except ExceptionGroup as group_error:
             raise _as_engine_error(group_error.exceptions[0]) from group_error
         results = [task.result() for task in tasks]
+        if rescore:
+            results = await self.rescore(results, adapter)
         if not params.detokenize:
             self._decode_texts(results, options.skip_special_tokens)
+        if repeat > 1:
+            results = [PromptResult(r.prompt_token_ids, r.completions * repeat) for r in results]
         return results
+
+    def _rescores(self, prompts: list[list[int]], options: SamplingOptions) -> bool:
+        """Score in a prefill pass instead of streaming the sampler's logprobs (see the module doc)?"""
+        if self.logprobs_source != "auto" or not rescore_equals_sampler(options):
+            return False
+        # the scoring request holds prompt + completion and samples one token: it must fit too
+        return max(len(p) for p in prompts) + options.max_tokens + 1 <= self.max_model_len
+
+    async def rescore(self, results: list[PromptResult], adapter: AdapterHandle | None) -> list[PromptResult]:
+        """The same results with each completion's logprobs computed by one prefill over prompt + completion."""
+        lora = LoRARequest(adapter.name, adapter.int_id, adapter.path) if adapter is not None else None
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, flat_logprobs=True,
+                                detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        jobs = [(r, c) for r in range(len(results)) for c in range(len(results[r].completions))]
+        batch = uuid.uuid4().hex
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [
+                    group.create_task(self._prompt_logprobs(
+                        results[r].prompt_token_ids + results[r].completions[c].token_ids, params,
+                        f"grpo-{batch}-score-{k}", lora,
+                    ))
+                    for k, (r, c) in enumerate(jobs)
+                ]
+        except ExceptionGroup as group_error:
+            raise _as_engine_error(group_error.exceptions[0]) from group_error
+        scored = [PromptResult(r.prompt_token_ids, list(r.completions)) for r in results]
+        for (r, c), task in zip(jobs, tasks, strict=True):
+            completion = scored[r].completions[c]
+            try:
+                logprobs = completion_logprobs(task.result(), len(scored[r].prompt_token_ids), completion.token_ids)
+            except ValueError as exc:
+                raise EngineError(f"scoring the completion failed: {exc}") from exc
+            top = [[(token, lp)] for token, lp in zip(completion.token_ids, logprobs, strict=True)]
+            scored[r].completions[c] = dataclasses.replace(completion, logprobs=logprobs, top_logprobs=top)
+        return scored
+
+    async def _prompt_logprobs(
+        self, ids: list[int], params: SamplingParams, request_id: str, lora: LoRARequest | None
+    ) -> Any:
+        final: RequestOutput | None = None
+        async for output in self.llm.generate(
+            TokensPrompt(prompt_token_ids=ids), params, request_id, lora_request=lora
+        ):
+            final = output
+        if final is None or not final.finished:
+            raise EngineError(f"request {request_id} ended without a final output")
+        return final.prompt_logprobs
 
     def _decode_texts(self, results: list[PromptResult], skip_special_tokens: bool) -> None:
         """Fill each completion's text with one batched decode (vLLM was asked not to detokenize)."""
@@ -183,8 +249,11 @@ class VllmEngine:
         return PromptResult(list(final.prompt_token_ids or ids), completions)
 
 
-def sampling_params(options: SamplingOptions) -> SamplingParams:
-    """vLLM SamplingParams for one request: flat logprobs, and no detokenization unless stop strings need it."""
+def sampling_params(options: SamplingOptions, *, logprobs: bool = True) -> SamplingParams:
+    """vLLM SamplingParams for one request: flat logprobs, and no detokenization unless stop strings need it.
+
+    `logprobs=False` asks for none (the completions are scored afterwards).
+    """
     structured = StructuredOutputsParams(regex=options.regex) if options.regex is not None else None
     try:
         return SamplingParams(
@@ -204,7 +273,7 @@ def sampling_params(options: SamplingOptions) -> SamplingParams:
             include_stop_str_in_output=options.include_stop_str_in_output,
             ignore_eos=options.ignore_eos,
             skip_special_tokens=options.skip_special_tokens,
-            logprobs=options.top_logprobs,
+            logprobs=options.top_logprobs if logprobs else None,
             flat_logprobs=True,
             detokenize=bool(options.stop),  # stop strings are matched on vLLM's incremental text
             structured_outputs=structured,
