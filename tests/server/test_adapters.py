@@ -70,22 +70,38 @@ def token_ids(response: httpx.Response) -> list[list[int]]:
     return [choice["token_ids"] for choice in response.json()["choices"]]
 
 
-def greedy_one_at_a_time(server: RunningServer) -> tuple[list[list[int]], list[int | None]]:
-    """Greedy tokens of two prompts sent as separate, sequential requests (and the versions that served them).
+def first_token_distribution(
+    server: RunningServer, model: str | None = None
+) -> tuple[list[dict[str, float]], list[int | None]]:
+    """Top-5 logprobs of the first generated token of two prompts, one request at a time (and the versions).
 
-    One request at a time keeps the engine's batch the same from call to call: vLLM is not
-    batch-invariant, and on a random-weight model with near-tied logits a different batch
-    can flip a greedy token. Equal outputs then mean the same adapter, on any engine.
+    Exact greedy tokens are no test of "the same adapter" on vLLM: its LoRA shrink kernel adds
+    split-K partial sums with atomics (vllm/lora/ops/triton_ops, split_k=64 for small batches),
+    so runs differ in the last bits, and on a random-weight model near-tied greedy tokens flip.
+    The first position's top-5 distribution is stable to ~1e-3 under that noise, while another
+    adapter moves it by whole nats.
     """
-    outputs, versions = [], []
+    tops, versions = [], []
     for prompt in ([5, 6, 7, 8], [50, 60]):
-        body = {"prompt": [prompt], "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
-                "return_token_ids": True}
+        body: dict[str, Any] = {"prompt": [prompt], "max_tokens": 1, "temperature": 0.0, "logprobs": 5,
+                                "return_tokens_as_token_ids": True}
+        if model is not None:
+            body["model"] = model
         response = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
         assert response.status_code == 200, response.text
-        outputs += token_ids(response)
+        tops.append(response.json()["choices"][0]["logprobs"]["top_logprobs"][0])
         versions.append(response.json()["adapter_version"])
-    return outputs, versions
+    return tops, versions
+
+
+def same_distribution(before: list[dict[str, float]], after: list[dict[str, float]]) -> bool:
+    for top_before, top_after in zip(before, after, strict=True):
+        shared = top_before.keys() & top_after.keys()
+        if len(shared) < 4:  # one swap at the top-5 boundary is noise
+            return False
+        if any(abs(top_before[t] - top_after[t]) >= 0.05 for t in shared):
+            return False
+    return True
 
 
 def active_version(server: RunningServer) -> int | None:
@@ -123,13 +139,13 @@ def test_our_payload_loads_before_answering_and_tags_generations(server, maker, 
 
 
 def test_generations_really_run_on_the_selected_adapter(server, loaded):
-    active = token_ids(complete(server))
+    active, _ = first_token_distribution(server)
     by_name = complete(server, f"policy-v{loaded}")
     base = complete(server, "tiny:base")
     assert by_name.json()["adapter_version"] == loaded
-    assert token_ids(by_name) == active
     assert base.headers[ADAPTER_VERSION_HEADER] == "none" and base.json()["adapter_version"] is None
-    assert token_ids(base) != active
+    assert same_distribution(first_token_distribution(server, f"policy-v{loaded}")[0], active)
+    assert not same_distribution(first_token_distribution(server, "tiny:base")[0], active)
 
 
 def test_relative_paths_resolve_inside_the_adapter_root(server, maker, next_version):
@@ -352,15 +368,16 @@ def test_refused_adapters_get_4xx_with_the_reason_and_the_previous_adapter_stays
 ):
     if case == "engine cannot load it" and SERVED_ENGINE == "vllm":
         pytest.skip("vLLM serves the tensors and ignores target_modules: this adapter loads there")
-    before, _ = greedy_one_at_a_time(server)
+    before, _ = first_token_distribution(server)
     body = prepare(server, maker, next_version(), tmp_path)
     response = trigger(server, body)
     assert response.status_code == status, response.text
     error = response.json()
     assert error["error"] == reason and error["message"]
     assert active_version(server) == loaded
-    after, versions = greedy_one_at_a_time(server)
-    assert versions == [loaded, loaded] and after == before
+    after, versions = first_token_distribution(server)
+    assert versions == [loaded, loaded]
+    assert same_distribution(before, after), (before, after)
     served = [card["id"] for card in httpx.get(server.url + "/v1/models").json()["data"]]
     assert not any(name.startswith("policy-v") and int(name[8:]) > loaded for name in served), served
     metrics = httpx.get(server.url + "/metrics").text

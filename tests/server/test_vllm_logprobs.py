@@ -80,7 +80,7 @@ def test_completion_logprobs_are_read_at_the_completion_positions():
 
 def test_completion_logprobs_refuse_positions_of_other_tokens_or_missing_ones():
     prompt, completion = [10, 11, 12], [20, 21]
-    flat = prompt_flat(prompt + [20, 99], [0.0, -1.0, -2.0, -3.0, -4.0])
+    flat = prompt_flat([*prompt, 20, 99], [0.0, -1.0, -2.0, -3.0, -4.0])
     with pytest.raises(ValueError, match="for token 99, not 21"):
         completion_logprobs(flat, len(prompt), completion)
     with pytest.raises(ValueError, match="cover 4 of 5"):
