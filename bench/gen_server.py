@@ -18,6 +18,11 @@ manifest, fsync, atomic rename, pruned one sync late. The full-reload baseline i
 time to merge the adapter into the weights and save them, plus to start a fresh server
 on them until healthy.
 
+`direct` runs the workload with the sampler's logprobs and with prefill rescoring
+(`logprobsSource: auto`) on one engine, and scores the same samples both ways to report the
+|difference|; `http` repeats that check through the server with seeded single requests
+(`logprobs: 1` takes the sampler's path, `logprobs: 0` the server's `--logprobs-source`).
+
 `--profile DIR` samples the server process and its engine-core child with py-spy
 during the measured generation run (raw collapsed stacks; `bench/profile_summary.py`
 summarises them).
@@ -382,8 +387,11 @@ def main() -> None:
     parser.add_argument("--publish-dtype", default=None,
                         help="dtype adapters are published in (default: what the trainer picks for the server)")
     parser.add_argument("--profile", type=Path, default=None, help="py-spy the server into this folder")
+    parser.add_argument("--logprobs-source", choices=["sampler", "auto"], default="auto",
+                        help="spec.server.logprobsSource of the HTTP server (the direct phase measures both)")
     args = parser.parse_args()
     SERVER["engine"] = args.engine
+    SERVER["logprobsSource"] = args.logprobs_source
     if args.engine != "vllm":
         SERVER.pop("gpuMemoryUtilization")
         SERVER["dtype"] = "auto"

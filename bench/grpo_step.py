@@ -31,7 +31,7 @@ from workload import dump, figure, machine
 from grpo_testmodels import target_token_ids
 
 
-def run_doc(name: str, model: Path, dataset: Path, steps: int, mode: str) -> dict[str, Any]:
+def run_doc(name: str, model: Path, dataset: Path, steps: int, mode: str, logprobs_source: str) -> dict[str, Any]:
     lo, hi = target_token_ids(model)
     trainer = {
         "lora": {"r": 32, "alpha": 64, "targetModules": ["all-linear"]},
@@ -50,7 +50,7 @@ def run_doc(name: str, model: Path, dataset: Path, steps: int, mode: str) -> dic
     if mode == "server":
         trainer.update({"asyncPrefetch": True, "prefetchDepth": 1})
         spec["server"] = {"engine": "vllm", "gpuMemoryUtilization": 0.45, "maxModelLen": 2048, "maxLoras": 4,
-                          "maxLoraRank": 32, "dtype": "bfloat16"}
+                          "maxLoraRank": 32, "dtype": "bfloat16", "logprobsSource": logprobs_source}
     return {"apiVersion": "grpo.dev/v1alpha1", "kind": "GRPORun", "metadata": {"name": name}, "spec": spec}
 
 
@@ -76,6 +76,8 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/grpo-step"))
     parser.add_argument("--out", required=True)
     parser.add_argument("--only", choices=["server", "colocate"], default=None)
+    parser.add_argument("--logprobs-source", choices=["sampler", "auto"], default="sampler",
+                        help="spec.server.logprobsSource of our run (server mode)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
@@ -86,7 +88,8 @@ def main() -> None:
             continue
         name = f"bench-{mode}"
         run_file = args.work / f"{name}.yaml"
-        run_file.write_text(yaml.safe_dump(run_doc(name, args.model, args.dataset, args.steps, mode)))
+        doc = run_doc(name, args.model, args.dataset, args.steps, mode, args.logprobs_source)
+        run_file.write_text(yaml.safe_dump(doc))
         run_dir = args.work / name
         log = (args.work / f"{name}.log").open("wb")
         if mode == "server":

@@ -6,7 +6,11 @@
 #   bash bench/gpu/session.sh grpo                   # trainer vs the vLLM server, and TRL colocate
 #   bash bench/gpu/session.sh gen-offline            # LLM.generate variants + HF generate (+ py-spy)
 #   bash bench/gpu/session.sh gen-server             # engine direct, server HTTP, adapter sync, reload
-# py-spy profiles are taken when a py-spy wheel was carried to /tmp/stage (installed to /tmp/pyspy).
+# py-spy profiles are taken when a py-spy wheel was carried to /tmp/stage (installed to /tmp/pyspy):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux_2_17_x86_64 --platform manylinux_2_5_x86_64 -d .device-stage/p1 py-spy
+# Knobs: TESTS_K (pytest -k for server-tests), TESTS_TIMEOUT, SKIP_DIRECT / SKIP_RELOAD (gen-server),
+# ONLY=server|colocate and LOGPROBS=sampler|auto (grpo: our run's spec.server.logprobsSource).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -46,7 +50,8 @@ server_tests() {
 
 grpo() {
   log "GRPO: ours (server mode) vs TRL colocate"
-  timeout 560 $PY bench/grpo_step.py --model $M --dataset $D --steps 8 --out "$OUT/grpo_step.json" ${ONLY:+--only $ONLY}
+  timeout 560 $PY bench/grpo_step.py --model $M --dataset $D --steps 8 --out "$OUT/grpo_step.json" ${ONLY:+--only $ONLY} \
+    --logprobs-source "${LOGPROBS:-sampler}"
   for f in /tmp/grpo-step/*.log; do tail -40 "$f" > "$OUT/$(basename "$f")"; done
   tail -30 /tmp/grpo-step/bench-server/logs/server-attempt-1.log > "$OUT/grpo-server-vllm.log" 2>/dev/null
   tail -60 /tmp/grpo-step/bench-server/logs/trainer-attempt-1.log > "$OUT/grpo-trainer.log" 2>/dev/null

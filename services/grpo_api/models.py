@@ -201,12 +201,12 @@ class ServerSpec(ApiModel):
     )
     max_lora_rank: int = Field(default=64, description="Largest LoRA rank the server accepts.")
     logprobs_source: LogprobsSource = Field(
-        default=LogprobsSource.AUTO,
+        default=LogprobsSource.SAMPLER,
         description="Where the vllm engine takes the sampled tokens' logprobs from. sampler: vLLM's "
         "sampler, streamed with every decoding step (costly in vLLM 0.26). auto: when the processed "
         "logprobs equal the model's own (temperature 1, no top-k/top-p/min-p, no penalties, no "
         "alternatives asked), generate without logprobs and score the completions in one prefill pass; "
-        "otherwise the sampler.",
+        "otherwise the sampler. auto is opt-in until its throughput is measured (BENCHMARKS.md).",
     )
     extra_engine_args: dict[str, Any] = Field(
         default_factory=dict,

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,25 @@ class ServedModel:
     name: str
     model_dir: Path
     fingerprint: str
+    #: Linear layers of the served model: module name -> (out_features, in_features); empty: unknown.
+    linear_shapes: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+
+
+def linear_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
+    """(out, in) of every 2-D `<module>.weight` in the model's safetensors files, read from their headers.
+
+    Empty when the model has no safetensors weights (the shape check is then skipped).
+    """
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, int]] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
+                shape = handle.get_slice(key).get_shape()
+                if key.endswith(".weight") and len(shape) == 2:
+                    shapes[key.removesuffix(".weight")] = (int(shape[0]), int(shape[1]))
+    return shapes
 
 
 @dataclass(frozen=True)
@@ -92,25 +112,6 @@ def confine(path: str, root: Path) -> Path:
     return resolved
 
 
-def check_adapter(
-    path: str,
-    *,
-    root: Path,
-    served: ServedModel,
-    max_rank: int,
-    require_manifest: bool,
-    expected_digest: str | None,
-    version: int | None,
-) -> CheckedAdapter:
-    """Validate an adapter directory completely (inspection, then every file's checksum)."""
-    checked = inspect_adapter(
-        path, root=root, served=served, max_rank=max_rank, require_manifest=require_manifest,
-        expected_digest=expected_digest, version=version,
-    )
-    verify_adapter_files(checked)
-    return checked
-
-
 def inspect_adapter(
     path: str,
     *,
@@ -131,7 +132,7 @@ def inspect_adapter(
         rank = _check_rank(config, directory, max_rank)
         _check_supported(config, directory)
         weights = _weight_file(directory)
-        _check_weight_keys(weights)
+        _check_weights(weights, served, max_rank)
         if manifest is None:
             _check_base_model_name(config, directory, served)
     except AdapterRefusal:
@@ -262,25 +263,76 @@ def _weight_file(directory: Path) -> Path:
     raise AdapterRefusal("adapter_missing", f"{directory} has no {' or '.join(WEIGHT_FILES)}")
 
 
-def _check_weight_keys(weights: Path) -> None:
+#: A LoRA tensor as PEFT saves it: `base_model.model.<module>.lora_<A|B>.weight`.
+LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<half>[AB])(?:\.[\w-]+)?\.weight$")
+
+
+def _check_weights(weights: Path, served: ServedModel, max_rank: int) -> None:
+    """Tensors plain LoRA can serve, shaped for the served model's layers, of a rank the server holds.
+
+    vLLM copies LoRA tensors into slots sized for the base layer and maxLoraRank when a request
+    first uses the adapter, inside an engine step: a tensor that does not fit there would fail
+    that step, so shapes are checked here, before the engine sees the file.
+    """
     if weights.suffix != ".safetensors":
         return
     from safetensors import safe_open
 
     try:
         with safe_open(str(weights), framework="pt") as handle:
-            keys = list(handle.keys())
+            shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}  # noqa: SIM118
     except Exception as exc:  # safetensors raises its own error types for corrupt headers
         raise AdapterRefusal("adapter_config_invalid", f"{weights} is not a readable safetensors file: {exc}") from exc
     bad = [
         k
-        for k in keys
+        for k in shapes
         if any(part in k for part in UNSUPPORTED_KEY_PARTS)
         or any(seg in EMBEDDING_MODULES for seg in k.split("."))
         or (".lora_" not in k and k.endswith(".bias"))
     ]
     if bad:
         raise AdapterRefusal("adapter_unsupported", f"{weights}: tensors plain LoRA cannot serve: {bad[:3]}")
+    wrong_model, too_large = _shape_problems(shapes, served.linear_shapes, max_rank)
+    if too_large:
+        raise AdapterRefusal(
+            "adapter_rank_too_large", f"{weights}: rank above the server's maxLoraRank {max_rank}: {too_large[:3]}"
+        )
+    if wrong_model:
+        raise AdapterRefusal(
+            "adapter_base_model_mismatch",
+            f"{weights}: tensors that do not fit {served.name}'s layers: {'; '.join(wrong_model[:3])}",
+        )
+
+
+def _shape_problems(
+    shapes: Mapping[str, tuple[int, ...]], layers: Mapping[str, tuple[int, int]], max_rank: int
+) -> tuple[list[str], list[str]]:
+    """(shape mismatches with the served model's layers, tensors whose rank exceeds max_rank)."""
+    wrong_model: list[str] = []
+    too_large: list[str] = []
+    for key, shape in sorted(shapes.items()):
+        match = LORA_KEY.match(key)
+        if match is None:
+            continue
+        if len(shape) != 2:
+            wrong_model.append(f"{key} has shape {list(shape)}, not 2-D")
+            continue
+        half, module = match["half"], match["module"]
+        rank = shape[0] if half == "A" else shape[1]
+        if rank > max_rank:
+            too_large.append(f"{key} has rank {rank}")
+        if not layers:
+            continue
+        layer = layers.get(module)
+        if layer is None:
+            wrong_model.append(f"{module} is not a linear layer of the served model")
+            continue
+        out_features, in_features = layer
+        if half == "A" and shape[1] != in_features:
+            wrong_model.append(f"{key} is {list(shape)}; {module} takes {in_features} inputs")
+        if half == "B" and shape[0] != out_features:
+            wrong_model.append(f"{key} is {list(shape)}; {module} has {out_features} outputs")
+    return wrong_model, too_large
 
 
 def _check_base_model_name(config: dict[str, Any], directory: Path, served: ServedModel) -> None:

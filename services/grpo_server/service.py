@@ -31,6 +31,7 @@ from grpo_server.adapter_checks import (
     CheckedAdapter,
     ServedModel,
     inspect_adapter,
+    linear_shapes,
     verify_adapter_files,
 )
 from grpo_server.engines import choose_engine, create_engine
@@ -70,6 +71,7 @@ class GenerationService:
         #: Called when the engine cannot start: the process should exit.
         self.on_fatal: Callable[[], None] = lambda: None
         self._trigger_lock = asyncio.Lock()
+        self._served: ServedModel | None = None
         self._background: set[asyncio.Task[Any]] = set()
         metrics.BOOT_TIME.set(self.started_at)
         metrics.ENGINE_READY.set(0)
@@ -86,6 +88,8 @@ class GenerationService:
 
             tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(self.settings.model_dir))
             settings = self.settings
+            shapes = await asyncio.to_thread(linear_shapes, settings.model_dir)
+            self._served = ServedModel(settings.served_model_name, settings.model_dir, self.fingerprint, shapes)
             engine = create_engine(
                 self.engine_kind, settings.model_dir, settings.served_model_name, settings.server, tokenizer
             )
@@ -264,7 +268,7 @@ class GenerationService:
         version = request.version if ours and request.version is not None else self.registry.next_version()
         path = request.path if ours else request.lora_path
         assert path is not None
-        served = ServedModel(self.settings.served_model_name, self.settings.model_dir, self.fingerprint)
+        served = self._served_model()
         checked = await asyncio.to_thread(
             inspect_adapter,
             path,
@@ -321,6 +325,11 @@ class GenerationService:
                 raise AdapterRefusal("adapter_load_failed", str(load_error)) from load_error
             assert load_error is not None
             raise load_error
+
+    def _served_model(self) -> ServedModel:
+        """What adapters are checked against (the layer shapes are read in `start`)."""
+        assert self._served is not None, "the engine is started before any adapter is loaded"
+        return self._served
 
     async def clear_adapter(self) -> None:
         self.require_engine()

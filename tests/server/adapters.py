@@ -88,3 +88,13 @@ def edit_config(adapter_dir: Path, **changes: Any) -> None:
     config = json.loads(path.read_text())
     config.update(changes)
     path.write_text(json.dumps(config))
+
+
+def rewrite_tensors(adapter_dir: Path, change: Any) -> None:
+    """Rewrite adapter_model.safetensors with `change(tensors)` applied (a dict of name -> tensor)."""
+    from safetensors.torch import load_file, save_file
+
+    path = adapter_dir / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})

@@ -14,7 +14,7 @@ import pytest
 
 from grpo_api.protocol import ADAPTER_VERSION_HEADER, SetAdapterResponse
 from tests.fixtures.server import ENV_ENGINE, RunningServer, start_server
-from tests.server.adapters import LoraMaker, edit_config, publish_dir
+from tests.server.adapters import LoraMaker, edit_config, publish_dir, rewrite_tensors
 
 MAX_RANK = 8
 MAX_LORAS = 2
@@ -264,6 +264,39 @@ def prepare_rank_too_large(server, maker, version, tmp):
     return ours(path, version, digest)
 
 
+def first_key(tensors, half):
+    return sorted(k for k in tensors if f".lora_{half}." in k and "q_proj" in k)[0]
+
+
+def prepare_shapes_of_another_model(server, maker, version, tmp):
+    """Right names, wrong width: vLLM would only find out when a request activates it, inside a step."""
+    import torch
+
+    def widen(tensors):
+        key = first_key(tensors, "A")
+        tensors[key] = torch.cat([tensors[key], tensors[key][:, :1]], dim=1)
+
+    staging = maker.save(server.adapter_root / f".tmp-{version}", seed=1)
+    rewrite_tensors(staging, widen)
+    path, digest = publish_dir(staging, server.adapter_root, version, maker.fingerprint)
+    return ours(path, version, digest)
+
+
+def prepare_tensor_rank_above_the_config(server, maker, version, tmp):
+    """adapter_config.json says r=8, the tensors hold rank 16: the slots vLLM allocates hold maxLoraRank."""
+    import torch
+
+    def deepen(tensors):
+        a, b = first_key(tensors, "A"), first_key(tensors, "B")
+        tensors[a] = torch.cat([tensors[a], tensors[a]], dim=0)
+        tensors[b] = torch.cat([tensors[b], tensors[b]], dim=1)
+
+    staging = maker.save(server.adapter_root / f".tmp-{version}", seed=1)
+    rewrite_tensors(staging, deepen)
+    path, digest = publish_dir(staging, server.adapter_root, version, maker.fingerprint)
+    return ours(path, version, digest)
+
+
 def prepare_modules_to_save(server, maker, version, tmp):
     path, digest = maker.publish(server.adapter_root, version, seed=1, modules_to_save=["lm_head"])
     return ours(path, version, digest)
@@ -347,6 +380,8 @@ REFUSALS: list[tuple[str, Callable[..., dict[str, Any]], int, str]] = [
     ("manifest of another base model", prepare_other_base_manifest, 409, "adapter_base_model_mismatch"),
     ("axolotl adapter of another base model", prepare_other_base_axolotl, 409, "adapter_base_model_mismatch"),
     ("rank above maxLoraRank", prepare_rank_too_large, 422, "adapter_rank_too_large"),
+    ("tensor rank above the config's", prepare_tensor_rank_above_the_config, 422, "adapter_rank_too_large"),
+    ("tensors shaped for another model", prepare_shapes_of_another_model, 409, "adapter_base_model_mismatch"),
     ("modules_to_save", prepare_modules_to_save, 422, "adapter_unsupported"),
     ("DoRA", prepare_dora, 422, "adapter_unsupported"),
     ("bias", prepare_bias, 422, "adapter_unsupported"),

@@ -14,7 +14,7 @@ arrays per request per decoding step, which the frontend deserialises again. So:
 - requests ask for `flat_logprobs` (a few flat lists per request instead of per-token
   objects) and `detokenize=False` unless stop strings need incremental detokenization;
   the completion text is decoded once at the end with the fast tokenizer;
-- with `logprobsSource: auto` (the default), when the processed logprobs equal the
+- with `logprobsSource: auto` (opt-in; the default is `sampler`), when the processed logprobs equal the
   model's own (`rescore_equals_sampler`: GRPO's usual temperature 1 without truncation),
   completions are generated without logprobs and then scored in one prefill pass over
   prompt + completion (`prompt_logprobs=0`, same adapter): one array per sequence
@@ -216,6 +216,12 @@ class VllmEngine:
     async def _prompt_logprobs(
         self, ids: list[int], params: SamplingParams, request_id: str, lora: LoRARequest | None
     ) -> Any:
+        return (await self._final(ids, params, request_id, lora)).prompt_logprobs
+
+    async def _final(
+        self, ids: list[int], params: SamplingParams, request_id: str, lora: LoRARequest | None
+    ) -> RequestOutput:
+        """The finished output of one request (FINAL_ONLY: vLLM yields it once)."""
         final: RequestOutput | None = None
         async for output in self.llm.generate(
             TokensPrompt(prompt_token_ids=ids), params, request_id, lora_request=lora
@@ -223,7 +229,7 @@ class VllmEngine:
             final = output
         if final is None or not final.finished:
             raise EngineError(f"request {request_id} ended without a final output")
-        return final.prompt_logprobs
+        return final
 
     def _decode_texts(self, results: list[PromptResult], skip_special_tokens: bool) -> None:
         """Fill each completion's text with one batched decode (vLLM was asked not to detokenize)."""
@@ -238,13 +244,7 @@ class VllmEngine:
     async def _one(
         self, ids: list[int], params: SamplingParams, request_id: str, lora: LoRARequest | None
     ) -> PromptResult:
-        final: RequestOutput | None = None
-        async for output in self.llm.generate(
-            TokensPrompt(prompt_token_ids=ids), params, request_id, lora_request=lora
-        ):
-            final = output
-        if final is None or not final.finished:
-            raise EngineError(f"request {request_id} ended without a final output")
+        final = await self._final(ids, params, request_id, lora)
         completions = [_completion(c) for c in sorted(final.outputs, key=lambda c: c.index)]
         return PromptResult(list(final.prompt_token_ids or ids), completions)
 
