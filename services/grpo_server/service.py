@@ -318,7 +318,10 @@ class GenerationService:
         verify_error, load_error = verify.exception(), load.exception()
         if verify_error is not None or load_error is not None:
             if load_error is None:
-                await engine.remove_adapter(handle)
+                try:
+                    await engine.remove_adapter(handle)
+                except Exception:  # the refusal is the answer; an unload failure only costs a slot
+                    log.exception("unloading refused adapter %s failed", handle.name)
             if verify_error is not None:
                 raise verify_error
             if isinstance(load_error, AdapterLoadError):

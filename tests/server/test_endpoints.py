@@ -113,6 +113,21 @@ def test_metrics_export_every_declared_server_metric(tiny_server):
     assert "grpo_server_engine_ready 1.0" in text
 
 
+CHART = Path(__file__).resolve().parents[2] / "charts" / "grpo-operator"
+
+
+@pytest.mark.skipif(SERVED_ENGINE != "vllm", reason="vLLM's own metrics exist only on the vllm engine (GPU)")
+def test_every_vllm_metric_the_dashboards_and_alerts_use_is_exposed(tiny_server):
+    used = set()
+    for path in [*CHART.glob("dashboards/*.json"), *CHART.glob("templates/*.yaml")]:
+        used |= set(re.findall(r"vllm:[a-z_:]*[a-z]", path.read_text()))
+    assert len(used) >= 5, used
+    post(tiny_server, "/v1/completions", {"prompt": [[5, 6]], "max_tokens": 2})
+    text = get(tiny_server, "/metrics").text
+    missing = sorted(name for name in used if not re.search(rf"^{re.escape(name)}[{{ ]", text, flags=re.M))
+    assert not missing, f"the chart queries vLLM metrics this server does not expose: {missing}"
+
+
 def test_docs_describe_every_request_and_response_model(tiny_server):
     spec = get(tiny_server, "/openapi.json").json()
     schemas = set(spec["components"]["schemas"])
