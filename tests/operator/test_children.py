@@ -86,7 +86,7 @@ def test_new_run_gets_every_child_with_expected_fields_and_no_job_while_server_u
     assert status["phase"] == "StartingServer" and "unreachable" in status["message"]
     conditions = {c["type"]: c for c in status["conditions"]}
     assert conditions["ServerReady"]["status"] == "False"
-    assert ("Normal", "Created") in kube.events("r1")
+    wait_for(lambda: ("Normal", "Created") in kube.events("r1"), what="Created event")
     assert operator.forbidden_lines() == []
 
 

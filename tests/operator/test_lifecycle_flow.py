@@ -79,9 +79,9 @@ def test_failed_trainer_retries_with_a_fresh_server_and_success_stops_the_server
     assert status["failedAttempts"] == 1
     run = kube.run("r")
     assert run is not None and "grpo.dev/failed-attempts" not in (run["metadata"].get("annotations") or {})
-    events = kube.events("r")
-    for expected in [("Warning", "TrainerFailed"), ("Warning", "Retrying"), ("Normal", "Completed")]:
-        assert expected in events
+    expected = [("Warning", "TrainerFailed"), ("Warning", "Retrying"), ("Normal", "Completed")]
+    # events are posted right after the status they follow: wait for them, do not race them
+    wait_for(lambda: all(e in kube.events("r") for e in expected), what=f"events {expected}")
     assert sorted(j.metadata.name for j in kube.jobs("r")) == ["r-trainer-1", "r-trainer-2"]
 
 
@@ -107,7 +107,7 @@ def test_server_that_never_gets_healthy_fails_with_server_not_ready(operator: Op
     status = kube.wait_phase("r", "Failed", reason="ServerNotReady", timeout=30)
     assert "serverReadyTimeoutSeconds" in status["message"]
     assert kube.jobs("r") == []
-    assert ("Warning", "ServerNotReady") in kube.events("r")
+    wait_for(lambda: ("Warning", "ServerNotReady") in kube.events("r"), what="ServerNotReady event")
 
 
 def test_suspend_stops_trainer_and_server_and_resume_continues_with_a_fresh_server(
