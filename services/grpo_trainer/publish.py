@@ -26,10 +26,10 @@ from grpo_api.adapters import (
     version_dir,
     write_manifest,
 )
+from grpo_trainer.adapter_io import ADAPTER_CONFIG
 from grpo_trainer.errors import TrainingFailed
 
 TMP_PREFIX = ".tmp-"
-ADAPTER_CONFIG = "adapter_config.json"
 #: LoRA targets a served adapter may not touch (vLLM cannot load them as plain LoRA).
 FORBIDDEN_TARGETS = ("lm_head", "embed_tokens")
 

@@ -21,13 +21,11 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from grpo_api.adapters import read_manifest
 from grpo_api.protocol import TrainingProgress
-from grpo_trainer.adapter_io import save_peft_adapter
+from grpo_trainer.adapter_io import ADAPTER_WEIGHTS, save_peft_adapter
 from grpo_trainer.checkpoints import mark_complete
 from grpo_trainer.metrics import TrainerMetrics
 from grpo_trainer.progress import append_history, now, write_progress
 from grpo_trainer.sync import AdapterSync, SyncResult
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 class TrainingSession:
