@@ -31,11 +31,14 @@ from workload import dump, figure, machine
 from grpo_testmodels import target_token_ids
 
 
-def run_doc(name: str, model: Path, dataset: Path, steps: int, mode: str, logprobs_source: str) -> dict[str, Any]:
+def run_doc(name: str, model: Path, dataset: Path, steps: int, mode: str, logprobs_source: str, *,
+            completion_length: int = 256, batch: int = 32, grad_accum: int = 1,
+            prefetch_depth: int = 1) -> dict[str, Any]:
     lo, hi = target_token_ids(model)
     trainer = {
         "lora": {"r": 32, "alpha": 64, "targetModules": ["all-linear"]},
-        "numGenerations": 8, "perDeviceBatchSize": 32, "maxCompletionLength": 256,
+        "numGenerations": 8, "perDeviceBatchSize": batch, "gradientAccumulationSteps": grad_accum,
+        "maxCompletionLength": completion_length,
         "learningRate": 1e-5, "maxSteps": steps, "syncInterval": 1, "checkpointInterval": 1000,
         "seed": 0, "generationTimeoutSeconds": 300,
     }
@@ -48,7 +51,7 @@ def run_doc(name: str, model: Path, dataset: Path, steps: int, mode: str, logpro
         "runPolicy": {"backoffLimit": 0, "serverReadyTimeoutSeconds": 600},
     }
     if mode == "server":
-        trainer.update({"asyncPrefetch": True, "prefetchDepth": 1})
+        trainer.update({"asyncPrefetch": True, "prefetchDepth": prefetch_depth})
         spec["server"] = {"engine": "vllm", "gpuMemoryUtilization": 0.45, "maxModelLen": 2048, "maxLoras": 4,
                           "maxLoraRank": 32, "dtype": "bfloat16", "logprobsSource": logprobs_source}
     return {"apiVersion": "grpo.dev/v1alpha1", "kind": "GRPORun", "metadata": {"name": name}, "spec": spec}
@@ -78,6 +81,11 @@ def main() -> None:
     parser.add_argument("--only", choices=["server", "colocate"], default=None)
     parser.add_argument("--logprobs-source", choices=["sampler", "auto"], default="sampler",
                         help="spec.server.logprobsSource of our run (server mode)")
+    parser.add_argument("--completion-length", type=int, default=256, help="maxCompletionLength")
+    parser.add_argument("--prefetch-depth", type=int, default=1, help="prefetchDepth of our run (server mode)")
+    parser.add_argument("--batch", type=int, default=32, help="perDeviceBatchSize (completions per micro-batch)")
+    parser.add_argument("--grad-accum", type=int, default=1,
+                        help="gradientAccumulationSteps; batch x grad-accum completions per step, 8 per prompt")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
@@ -88,7 +96,9 @@ def main() -> None:
             continue
         name = f"bench-{mode}"
         run_file = args.work / f"{name}.yaml"
-        doc = run_doc(name, args.model, args.dataset, args.steps, mode, args.logprobs_source)
+        doc = run_doc(name, args.model, args.dataset, args.steps, mode, args.logprobs_source,
+                      completion_length=args.completion_length, batch=args.batch, grad_accum=args.grad_accum,
+                      prefetch_depth=args.prefetch_depth)
         run_file.write_text(yaml.safe_dump(doc))
         run_dir = args.work / name
         log = (args.work / f"{name}.log").open("wb")
@@ -119,7 +129,12 @@ def main() -> None:
     dump(args.out, {
         "benchmark": "GRPO step time vs TRL colocate",
         "command": f"python bench/grpo_step.py --model {args.model} --dataset {args.dataset} --steps {args.steps} "
+                   f"--completion-length {args.completion_length} --batch {args.batch} --grad-accum {args.grad_accum} "
+                   f"--logprobs-source {args.logprobs_source} --prefetch-depth {args.prefetch_depth} "
                    "--out $OUT/grpo_step.json",
+        "workload": {"completion_length": args.completion_length, "completions_per_step": args.batch * args.grad_accum,
+                     "micro_batch": args.batch, "steps": args.steps, "logprobs_source": args.logprobs_source,
+                     "prefetch_depth": args.prefetch_depth},
         "machine": machine(), "date": dt.date.today().isoformat(), "runs": results, "figures": figures,
         "notes": ["reward per step (ours): " + json.dumps(ours.get("reward")),
                   "reward per step (TRL colocate): " + json.dumps(trl.get("reward"))],

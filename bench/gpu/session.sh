@@ -10,7 +10,9 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux_2_17_x86_64 --platform manylinux_2_5_x86_64 -d .device-stage/p1 py-spy
 # Knobs: TESTS_K (pytest -k for server-tests), TESTS_TIMEOUT, SKIP_DIRECT / SKIP_RELOAD (gen-server),
-# ONLY=server|colocate and LOGPROBS=sampler|auto (grpo: our run's spec.server.logprobsSource).
+# ONLY=server|colocate and LOGPROBS=sampler|auto (grpo: our run's spec.server.logprobsSource),
+# COMPLETION / BATCH / ACCUM / STEPS (grpo: the workload; e.g. COMPLETION=1024 BATCH=8 ACCUM=4 STEPS=6),
+# PREFETCH (grpo: our run's prefetchDepth, default 1).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -49,12 +51,15 @@ server_tests() {
 }
 
 grpo() {
-  log "GRPO: ours (server mode) vs TRL colocate"
-  timeout 560 $PY bench/grpo_step.py --model $M --dataset $D --steps 8 --out "$OUT/grpo_step.json" ${ONLY:+--only $ONLY} \
-    --logprobs-source "${LOGPROBS:-sampler}"
-  for f in /tmp/grpo-step/*.log; do tail -40 "$f" > "$OUT/$(basename "$f")"; done
-  tail -30 /tmp/grpo-step/bench-server/logs/server-attempt-1.log > "$OUT/grpo-server-vllm.log" 2>/dev/null
-  tail -60 /tmp/grpo-step/bench-server/logs/trainer-attempt-1.log > "$OUT/grpo-trainer.log" 2>/dev/null
+  # COMPLETION / BATCH / ACCUM / STEPS shape the workload (default: 32 completions of 256 tokens, 8 steps)
+  local work=/tmp/grpo-step-${COMPLETION:-256}
+  log "GRPO: ours (server mode) vs TRL colocate, completions of ${COMPLETION:-256} tokens"
+  timeout 560 $PY bench/grpo_step.py --model $M --dataset $D --steps ${STEPS:-8} --out "$OUT/grpo_step.json" \
+    ${ONLY:+--only $ONLY} --logprobs-source "${LOGPROBS:-sampler}" --completion-length ${COMPLETION:-256} \
+    --batch ${BATCH:-32} --grad-accum ${ACCUM:-1} --prefetch-depth ${PREFETCH:-1} --work $work
+  for f in $work/*.log; do tail -40 "$f" > "$OUT/$(basename "$f")"; done
+  tail -30 $work/bench-server/logs/server-attempt-1.log > "$OUT/grpo-server-vllm.log" 2>/dev/null
+  tail -60 $work/bench-server/logs/trainer-attempt-1.log > "$OUT/grpo-trainer.log" 2>/dev/null
 }
 
 gen_offline() {

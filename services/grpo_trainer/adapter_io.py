@@ -14,6 +14,10 @@ copied to the host once; the 8-byte header length, the JSON header and that one
 buffer are hashed while they are written, with no serialised copy in between (the
 library's save copies the 74 MB of an r=32 adapter of a 1.5B model twice). Readers
 are the library's own (`safe_open` in the server's checks, vLLM, PEFT).
+
+Taking the bytes (`snapshot_*`: the cast, the one copy to the host) is separate from
+writing them (`AdapterSnapshot.write`), so the trainer can snapshot at the end of a
+step and write, hash and trigger in the background while the next step trains.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import copy
 import json
 import struct
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,16 +55,41 @@ def publish_dtype(server_dtype: str, model_dir: Path) -> str:
     return configured if configured in HALF_DTYPES else "float32"
 
 
+@dataclass(frozen=True)
+class AdapterSnapshot:
+    """An adapter's files as bytes on the host, independent of the (still training) model."""
+
+    #: 8-byte header length + JSON header of adapter_model.safetensors.
+    weights_prefix: bytes
+    #: The tensor data of adapter_model.safetensors (a view of one host buffer).
+    weights_data: memoryview
+    config: bytes
+
+    @property
+    def size_bytes(self) -> int:
+        return len(self.weights_prefix) + self.weights_data.nbytes + len(self.config)
+
+    def write(self, directory: Path) -> dict[str, str]:
+        """Write adapter_model.safetensors and adapter_config.json durably; return {file: sha256}."""
+        directory.mkdir(parents=True, exist_ok=True)
+        digests = {ADAPTER_WEIGHTS: write_file_durably(directory / ADAPTER_WEIGHTS, self.weights_prefix,
+                                                       self.weights_data)}
+        digests[ADAPTER_CONFIG] = write_file_durably(directory / ADAPTER_CONFIG, self.config)
+        return digests
+
+
+def snapshot_adapter(tensors: Mapping[str, Any], config: Mapping[str, Any], *, dtype: str) -> AdapterSnapshot:
+    """The files of an adapter with these tensors (cast to `dtype`) and adapter_config.json content."""
+    prefix, data = safetensors_parts(tensors, dtype)
+    config_bytes = json.dumps(dict(config), indent=2, sort_keys=True).encode()
+    return AdapterSnapshot(weights_prefix=prefix, weights_data=data, config=config_bytes)
+
+
 def write_adapter(
     directory: Path, tensors: Mapping[str, Any], config: Mapping[str, Any], *, dtype: str
 ) -> dict[str, str]:
     """Write adapter_model.safetensors (in `dtype`) and adapter_config.json; return {file: sha256}."""
-    directory.mkdir(parents=True, exist_ok=True)
-    prefix, data = safetensors_parts(tensors, dtype)
-    digests = {ADAPTER_WEIGHTS: write_file_durably(directory / ADAPTER_WEIGHTS, prefix, data)}
-    config_bytes = json.dumps(dict(config), indent=2, sort_keys=True).encode()
-    digests[ADAPTER_CONFIG] = write_file_durably(directory / ADAPTER_CONFIG, config_bytes)
-    return digests
+    return snapshot_adapter(tensors, config, dtype=dtype).write(directory)
 
 
 def safetensors_parts(tensors: Mapping[str, Any], dtype: str) -> tuple[bytes, memoryview]:
@@ -108,10 +138,15 @@ def peft_adapter(model: Any, adapter_name: str = "default") -> tuple[dict[str, A
     return tensors, content
 
 
+def snapshot_peft_adapter(model: Any, *, dtype: str) -> AdapterSnapshot:
+    """The publish-ready files of a PEFT model's adapter, taken now (the model may train on)."""
+    tensors, config = peft_adapter(model)
+    return snapshot_adapter(tensors, config, dtype=dtype)
+
+
 def save_peft_adapter(model: Any, directory: Path, *, dtype: str) -> dict[str, str]:
     """Publish-ready save of a PEFT model's adapter; returns {file: sha256}."""
-    tensors, config = peft_adapter(model)
-    return write_adapter(directory, tensors, config, dtype=dtype)
+    return snapshot_peft_adapter(model, dtype=dtype).write(directory)
 
 
 def _json_ready(value: Any) -> Any:

@@ -10,6 +10,8 @@ With async prefetch, the batches of the next `depth` steps are requested in a
 background thread while the current step trains. Which prompts come next is
 known from the sampler's schedule (see trl_overrides.ScheduleRecordingSampler);
 a prefetched answer is used only if it is for exactly the prompts requested.
+Every request first waits for a background adapter sync in flight, so a batch is
+generated from the adapter of the latest step whose sync was started before it.
 """
 
 from __future__ import annotations
@@ -171,6 +173,8 @@ class GenerationBackend:
         return self.prefetcher
 
     def _request(self, prompt_ids: PromptIds) -> Completions:
+        # Sent only after a background sync is done (and raising its failure): never during a trigger.
+        self.sync.wait()
         # A distinct, reproducible seed per request: the same run samples the same completions.
         request_id = next(self._request_ids)
         sampling = {**self.sampling, "seed": (self.seed * 1_000_003 + request_id) % (2**31)}
@@ -232,6 +236,10 @@ class GenerationBackend:
         if staleness is not None:
             self.last_staleness = staleness
             self.metrics.staleness_steps.observe(staleness)
+        self._log(
+            f"generated {result.num_tokens} tokens in {result.seconds:.2f}s (adapter v{result.adapter_version}, "
+            f"staleness {staleness})"
+        )
         self.metrics.generation_seconds.observe(result.seconds)
         self.metrics.generated_tokens.inc(result.num_tokens)
         if result.seconds > 0:

@@ -43,6 +43,8 @@ METRIC_NAMES: tuple[str, ...] = (
     "grpo_trainer_staleness_steps",
     "grpo_trainer_staleness_bound_steps",
     "grpo_trainer_sync_seconds",
+    "grpo_trainer_sync_wait_seconds",
+    "grpo_trainer_sync_snapshot_seconds",
     "grpo_trainer_sync_last_bytes",
     "grpo_trainer_sync_bytes_total",
     "grpo_trainer_syncs_total",
@@ -153,6 +155,16 @@ class TrainerMetrics:
         )
         self.sync_seconds = Histogram(
             "grpo_trainer_sync_seconds", "Latency of one adapter sync (save, publish, load, confirm).",
+            buckets=_SECONDS_BUCKETS, registry=r,
+        )
+        self.sync_wait_seconds = Histogram(
+            "grpo_trainer_sync_wait_seconds",
+            "Time a step or a generation request waited for a background adapter sync to finish.",
+            buckets=_SECONDS_BUCKETS, registry=r,
+        )
+        self.sync_snapshot_seconds = Histogram(
+            "grpo_trainer_sync_snapshot_seconds",
+            "Time the training loop spent taking the adapter's bytes for a background sync.",
             buckets=_SECONDS_BUCKETS, registry=r,
         )
         self.sync_last_bytes = Gauge(

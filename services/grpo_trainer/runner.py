@@ -92,6 +92,7 @@ def run_training(cfg: RunConfig, *, attempt: int) -> TrainingProgress:
         return _train(cfg, attempt=attempt, model_dir=model_dir, resume=resume, metrics=metrics, store=store,
                       sync=sync, client=client, health=health)
     finally:
+        sync.close()
         if client is not None:
             client.close()
 

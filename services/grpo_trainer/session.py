@@ -5,14 +5,23 @@
 
 - train begin: when resuming, publish the checkpoint's adapter (the model holds
   it now) so the server generates from it;
-- step end: publish every `syncInterval` optimizer steps and at the last step;
+- step end: publish every `syncInterval` optimizer steps and at the last step. The
+  adapter's bytes are taken at once (a cast and one copy to the host); writing,
+  hashing, the load trigger and its confirmation run in the background while the
+  next step trains. The next generation request waits for them (see sync.py), so
+  this moves the sync off the step's critical path without changing which adapter
+  generates which batch;
 - log (every step): metrics and the progress file;
-- save: mark the checkpoint complete (it becomes resumable).
+- save: wait for the sync of this step, then mark the checkpoint complete (it
+  becomes resumable and names the adapter version served from it);
+- train end: wait for the last sync.
 """
 
 from __future__ import annotations
 
 import math
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +30,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from grpo_api.adapters import read_manifest
 from grpo_api.protocol import TrainingProgress
-from grpo_trainer.adapter_io import ADAPTER_WEIGHTS, save_peft_adapter
+from grpo_trainer.adapter_io import ADAPTER_WEIGHTS, save_peft_adapter, snapshot_peft_adapter
 from grpo_trainer.checkpoints import mark_complete
 from grpo_trainer.metrics import TrainerMetrics
 from grpo_trainer.progress import append_history, now, write_progress
@@ -53,6 +62,7 @@ class TrainingSession:
         self.staleness: Callable[[], int | None] = lambda: None
         self._log = log
         self._last_reward: tuple[float | None, float | None] = (None, None)
+        self._progress_lock = threading.Lock()  # the background sync writes progress too
 
     def bind(self, trainer: Any) -> None:
         self.trainer = trainer
@@ -68,19 +78,34 @@ class TrainingSession:
         return save_peft_adapter(model, directory, dtype=self.publish_dtype)
 
     def publish(self, step: int, reason: str) -> SyncResult:
+        """Publish the current adapter and make it active before returning."""
         result = self.sync.sync(self.save_adapter, step)
+        self._published(result, step, reason)
+        return result
+
+    def publish_in_background(self, step: int, reason: str) -> None:
+        """Take the adapter's bytes now; publish and activate them while training goes on."""
+        started = time.monotonic()
+        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+        snapshot = snapshot_peft_adapter(model, dtype=self.publish_dtype)
+        taken = time.monotonic() - started
+        self.sync.metrics.sync_snapshot_seconds.observe(taken)
+        note = f"in the background after a {taken * 1000:.0f} ms snapshot"
+        self.sync.start(snapshot.write, step, done=lambda result: self._published(result, step, reason, note))
+
+    def _published(self, result: SyncResult, step: int, reason: str, note: str = "blocking") -> None:
         self.last_sync = result
         adapter = result.adapter
         weights = read_manifest(adapter.path).files.get(ADAPTER_WEIGHTS, "?")
         self._log(
             f"published adapter v{adapter.version} (step {step}, {reason}): {adapter.size_bytes} bytes, "
-            f"{result.seconds:.2f}s, weights sha256 {weights}"
+            f"{result.seconds:.2f}s {note}, weights sha256 {weights}"
         )
         self.write_progress(step, done=False)
-        return result
 
     def republish(self) -> None:
         """After a server restart: make the trainer's current policy active on the new server."""
+        self.sync.wait()
         step = self.current_step()
         if step == 0 and self.sync.active is None:
             return  # nothing trained yet: the fresh server's base model is the policy
@@ -98,7 +123,7 @@ class TrainingSession:
         step = state.global_step
         self.metrics.step.set(step)
         if step % self.sync_interval == 0 or step >= self.max_steps:
-            self.publish(step, "sync")
+            self.publish_in_background(step, "sync")
 
     def on_log(self, state: TrainerState, logs: dict[str, Any]) -> None:
         self.metrics.observe_trl_logs(logs)
@@ -116,11 +141,15 @@ class TrainingSession:
         )
 
     def on_save(self, state: TrainerState, output_dir: str) -> None:
+        self.sync.wait()  # the checkpoint names the version published from it
         checkpoint = Path(output_dir) / f"checkpoint-{state.global_step}"
         version = self.sync.active.version if self.sync.active else None
         mark_complete(checkpoint, step=state.global_step, attempt=self.attempt, adapter_version=version)
         self.metrics.checkpoint_step.set(state.global_step)
         self._log(f"checkpoint {checkpoint} complete (step {state.global_step})")
+
+    def on_train_end(self) -> None:
+        self.sync.wait()
 
     def write_progress(self, step: int, *, done: bool) -> TrainingProgress:
         reward, std = self._last_reward
@@ -135,10 +164,12 @@ class TrainingSession:
             done=done,
             updated_at=now(),
         )
-        write_progress(self.progress_file, progress)
+        with self._progress_lock:
+            write_progress(self.progress_file, progress)
         return progress
 
     def finish(self) -> TrainingProgress:
+        self.sync.wait()
         step = self.current_step()
         return self.write_progress(step, done=step >= self.max_steps)
 
@@ -183,3 +214,8 @@ class SessionCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self.session.on_save(state, str(args.output_dir))
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self.session.on_train_end()

@@ -4,10 +4,18 @@ A version counts as synced only when the load trigger answered with it AND
 `/health/` reports it active on the same boot. A trigger that fails is retried
 with backoff; when the retries are spent the run fails with the reason: the
 trainer never keeps training against a server that serves a stale policy.
+
+`start` runs a sync in the background (one at a time, in order) while the next
+step trains; `wait` blocks until it is done and re-raises its failure, every time
+it is asked, so a failed sync stops the run at the next point that depends on it.
+Generation requests call `wait` before they are sent: no request races a trigger,
+and which adapter generates which batch is the same as with a blocking sync.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -52,9 +60,62 @@ class AdapterSync:
         self.retry_seconds = retry_seconds
         self.active: PublishedAdapter | None = None
         self._log = log
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: concurrent.futures.Future[SyncResult] | None = None
 
     def sync(self, save: Callable[[Path], Mapping[str, str] | None], step: int) -> SyncResult:
         """Publish the adapter saved by `save` as a new version and make it active on the server."""
+        self.wait()
+        return self._sync(save, step)
+
+    def start(
+        self,
+        save: Callable[[Path], Mapping[str, str] | None],
+        step: int,
+        done: Callable[[SyncResult], None] = lambda result: None,
+    ) -> None:
+        """Run `sync(save, step)` in the background, then `done(result)` there.
+
+        `save` must not read the model (it trains on): pass a snapshot's `write`. Waits for the
+        previous background sync first (raising its failure), so versions activate in order.
+        """
+        self.wait()
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpo-sync")
+            self._pending = self._pool.submit(self._sync_then, save, step, done)
+
+    def wait(self) -> SyncResult | None:
+        """Block until the background sync is done; its result, or None if none was started.
+
+        A failed sync raises here every time: the run must not go on past it.
+        """
+        pending = self._pending
+        if pending is None:
+            return None
+        if pending.done():
+            return pending.result()
+        started = time.monotonic()
+        result = pending.result()
+        self.metrics.sync_wait_seconds.observe(time.monotonic() - started)
+        return result
+
+    def close(self) -> None:
+        """Let a background sync finish (its files complete or removed); never raises its failure."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def _sync_then(
+        self, save: Callable[[Path], Mapping[str, str] | None], step: int, done: Callable[[SyncResult], None]
+    ) -> SyncResult:
+        result = self._sync(save, step)
+        done(result)
+        return result
+
+    def _sync(self, save: Callable[[Path], Mapping[str, str] | None], step: int) -> SyncResult:
         started = time.monotonic()
         adapter = self.store.publish(save, step)
         attempts = self.activate(adapter) if self.client is not None else 0

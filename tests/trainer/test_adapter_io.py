@@ -126,3 +126,30 @@ def test_non_float_tensors_and_other_dtypes_are_refused(tmp_path):
         write_adapter(tmp_path / "a", {"x": torch.ones(2, dtype=torch.int64)}, {}, dtype="float32")
     with pytest.raises(ValueError, match="not float64"):
         write_adapter(tmp_path / "b", {"x": torch.ones(2)}, {}, dtype="float64")
+
+
+def test_a_snapshot_keeps_the_bytes_of_its_moment_while_the_model_trains_on(peft_model, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from grpo_trainer.adapter_io import peft_adapter, snapshot_peft_adapter
+
+    before = {name: t.detach().clone() for name, t in peft_adapter(peft_model)[0].items()}
+    snapshot = snapshot_peft_adapter(peft_model, dtype="float32")
+    with torch.no_grad():  # an optimizer step between the snapshot and the background write
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.add_(1.0)
+    try:
+        digests = snapshot.write(tmp_path / "v1")
+        written = load_file(tmp_path / "v1" / ADAPTER_WEIGHTS)
+        assert written.keys() == before.keys()
+        for name, tensor in written.items():
+            torch.testing.assert_close(tensor, before[name], rtol=0, atol=0)
+        assert digests[ADAPTER_WEIGHTS] == sha256_file(tmp_path / "v1" / ADAPTER_WEIGHTS)
+        assert snapshot.size_bytes == sum((tmp_path / "v1" / n).stat().st_size for n in digests)
+    finally:
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_" in name:
+                    param.sub_(1.0)

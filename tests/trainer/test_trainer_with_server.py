@@ -29,7 +29,7 @@ from grpo_api.models import GRPORunSpec
 from grpo_api.protocol import TrainingProgress
 from grpo_api.runconfig import RunConfig, load_run_config
 from grpo_testmodels import target_token_ids
-from grpo_trainer.errors import RewardFunctionFailed
+from grpo_trainer.errors import AdapterSyncFailed, RewardFunctionFailed
 from grpo_trainer.metrics import METRIC_NAMES
 from grpo_trainer.runner import run_training
 from tests.fixtures.server import RunningServer, free_port, start_server
@@ -118,11 +118,14 @@ def test_sync_every_k_steps_advances_the_server_version_prunes_and_manifests_ver
     seen: list[int] = []
     stop = threading.Event()
 
-    def watch() -> None:  # the server's own view of the active version, sampled during the run
+    def sample() -> None:  # the server's own view of the active version
+        adapter = tiny_server.health().get("adapter")
+        if adapter and (not seen or seen[-1] != adapter["version"]):
+            seen.append(adapter["version"])
+
+    def watch() -> None:
         while not stop.is_set():
-            adapter = tiny_server.health().get("adapter")
-            if adapter and (not seen or seen[-1] != adapter["version"]):
-                seen.append(adapter["version"])
+            sample()
             time.sleep(0.05)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -132,6 +135,7 @@ def test_sync_every_k_steps_advances_the_server_version_prunes_and_manifests_ver
     finally:
         stop.set()
         watcher.join(5)
+    sample()  # the last sync may finish just before the run returns
     out = capsys.readouterr().out
     published = [(int(v), int(s)) for v, s, reason, _ in PUBLISH_LINE.findall(out)]
     assert [s for _, s in published] == [2, 4, 6], out
@@ -168,6 +172,25 @@ def test_async_prefetch_overlaps_generation_and_keeps_staleness_within_the_bound
     assert max(staleness) <= 2 + 2  # syncInterval + prefetchDepth
     assert max(staleness) >= 2  # batches were generated ahead, by an older adapter
     assert "discarded a generated batch" not in out
+
+
+def test_a_background_sync_the_server_refuses_stops_the_run_with_the_reason_before_it_trains_on(
+    tiny_server: RunningServer, tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+):
+    clear_adapter(tiny_server)
+    cfg, _ = trainer_config(
+        tiny_server, tmp_path, dataset=tiny_dataset, rewards=[token_fraction(tiny_model_dir)],
+        trainer={"maxSteps": 6, "syncInterval": 1, "checkpointInterval": 6, "asyncPrefetch": True},
+    )
+    monkeypatch.setenv("GRPO_TOKEN", "not-the-run-token")  # the load trigger answers 401
+    with pytest.raises(AdapterSyncFailed, match=r"adapter v\d+ .* could not be made active.*401"):
+        run_training(cfg, attempt=1)
+    out = capsys.readouterr().out
+    steps = [int(step) for step, _, _ in STEP_LINE.findall(out)]
+    assert steps and max(steps) <= 2, out  # the sync of step 1 failed: no step after the next one
+    assert "published adapter" not in out
+    assert tiny_server.health()["adapter"] is None  # the server kept serving what it had
 
 
 # -------------------------------------------------------------------------------------------- learning

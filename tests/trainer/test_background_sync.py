@@ -1,0 +1,93 @@
+"""The background adapter sync: in order, one at a time, failures re-raised, generation held behind it."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from grpo_api.adapters import list_versions
+from grpo_trainer.client import Completions, ServerClient
+from grpo_trainer.errors import TrainingFailed
+from grpo_trainer.generation import GenerationBackend
+from grpo_trainer.metrics import TrainerMetrics
+from grpo_trainer.publish import AdapterStore
+from grpo_trainer.sync import AdapterSync, SyncResult
+
+LORA_CONFIG = {"peft_type": "LORA", "r": 8, "bias": "none", "use_dora": False, "modules_to_save": None,
+               "target_modules": ["q_proj", "v_proj"]}
+
+
+def saver(payload: bytes, gate: threading.Event | None = None, entered: threading.Event | None = None):
+    def save(directory: Path) -> None:
+        if entered is not None:
+            entered.set()
+        if gate is not None:
+            assert gate.wait(10), "the test never opened the gate"
+        directory.mkdir(parents=True)
+        (directory / "adapter_config.json").write_text(json.dumps(LORA_CONFIG))
+        (directory / "adapter_model.safetensors").write_bytes(payload)
+
+    return save
+
+
+@pytest.fixture
+def sync(tmp_path: Path):
+    sync = AdapterSync(AdapterStore(tmp_path / "adapters", "fp"), None, TrainerMetrics(), boot_id="b1",
+                       retry_seconds=1)
+    yield sync
+    sync.close()
+
+
+def test_background_syncs_activate_in_order_and_report_each_result(sync: AdapterSync):
+    done: list[SyncResult] = []
+    gate, entered = threading.Event(), threading.Event()
+    sync.start(saver(b"one", gate, entered), step=1, done=done.append)
+    assert entered.wait(5)
+    assert sync.active is None  # still writing: the previous policy is the active one
+    gate.set()
+    sync.start(saver(b"two"), step=2, done=done.append)  # waits for v1 first
+    assert [r.adapter.version for r in done] == [1]
+    result = sync.wait()
+    assert result is not None and result.adapter.version == 2 and sync.active is not None
+    assert [(r.adapter.version, r.adapter.step) for r in done] == [(1, 1), (2, 2)]
+    assert sync.active.version == 2
+    assert list_versions(sync.store.root) == [1, 2]  # pruned one sync late
+
+
+def test_a_failed_background_sync_is_raised_by_every_later_wait_start_and_sync(sync: AdapterSync):
+    def broken(directory: Path) -> None:
+        raise TrainingFailed("disk full while writing the adapter")
+
+    sync.start(broken, step=1)
+    for attempt in (sync.wait, lambda: sync.start(saver(b"x"), step=2), lambda: sync.sync(saver(b"x"), step=2)):
+        with pytest.raises(TrainingFailed, match="disk full"):
+            attempt()
+    assert sync.active is None and list_versions(sync.store.root) == []  # nothing half-published
+
+
+def test_a_generation_request_is_sent_only_after_the_sync_in_flight_is_done(sync: AdapterSync, tmp_path: Path):
+    sent: list[int | None] = []
+
+    class Client(ServerClient):
+        def completions(self, **kwargs) -> Completions:  # the server's view: the adapter active when it arrives
+            sent.append(sync.active.version if sync.active else None)
+            return Completions([[1]], [[-0.1]], boot_id="b1", adapter_version=sent[-1], seconds=0.01)
+
+    client = Client("http://127.0.0.1:9", token=None, generation_timeout=1)
+    gen = GenerationBackend(client, sync, sync.store, sync.metrics, model_name="m", num_generations=1, bound=1,
+                            seed=0, current_step=lambda: 1, republish=lambda: None)
+    gate, entered = threading.Event(), threading.Event()
+    sync.start(saver(b"one", gate, entered), step=1)
+    assert entered.wait(5)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        request = pool.submit(gen.generate, [[5, 6]])
+        with pytest.raises(concurrent.futures.TimeoutError):
+            request.result(timeout=0.3)  # held while v1 is being published
+        assert sent == []
+        gate.set()
+        assert request.result(timeout=5).adapter_version == 1
+    assert sent == [1]
