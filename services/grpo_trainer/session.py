@@ -89,7 +89,7 @@ class TrainingSession:
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         snapshot = snapshot_peft_adapter(model, dtype=self.publish_dtype)
         taken = time.monotonic() - started
-        self.sync.metrics.sync_snapshot_seconds.observe(taken)
+        self.metrics.sync_snapshot_seconds.observe(taken)
         note = f"in the background after a {taken * 1000:.0f} ms snapshot"
         self.sync.start(snapshot.write, step, done=lambda result: self._published(result, step, reason, note))
 
