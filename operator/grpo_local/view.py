@@ -68,6 +68,9 @@ class LiveView:
 
 def summarize(run: LocalRun, elapsed: float) -> dict[str, Any]:
     history = run.history()
+    # The final progress file, not the last history line: that line is written when the last step is
+    # logged, while the step's adapter may still be syncing in the background.
+    final = run.read_progress()
     rewards = [h.reward_mean for h in history if h.reward_mean is not None]
     syncs = [h.sync_seconds for h in history if h.sync_seconds is not None]
     head, tail = rewards[:5], rewards[-5:]
@@ -83,7 +86,7 @@ def summarize(run: LocalRun, elapsed: float) -> dict[str, Any]:
         "rewardFirst5": sum(head) / len(head) if head else None,
         "rewardLast5": sum(tail) / len(tail) if tail else None,
         "syncMsMean": 1000 * sum(syncs) / len(syncs) if syncs else None,
-        "adapterVersion": history[-1].adapter_version if history else None,
+        "adapterVersion": final.adapter_version if final else (history[-1].adapter_version if history else None),
         "adaptersOnDisk": sorted(p.name for p in adapters.iterdir()) if adapters.is_dir() else [],
         "elapsedSeconds": round(elapsed, 1),
         "runDir": str(run.run_dir),

@@ -107,6 +107,7 @@ def test_local_run_succeeds_publishes_adapters_and_writes_summary_and_png(
     assert summary["phase"] == "Succeeded" and summary["steps"] == 4 and summary["attempts"] == 1, summary
     versions = sorted(p.name for p in (run_dir / "adapters" / "local-test").iterdir() if p.name.startswith("v"))
     assert versions and len(versions) <= 2, versions  # pruned one sync late
+    assert summary["adapterVersion"] == max(int(v[1:]) for v in versions), summary  # the last step's sync
     assert (run_dir / "reward.png").stat().st_size > 1000
     assert (run_dir / "logs" / "server-attempt-1.log").is_file()
     assert (run_dir / "logs" / "trainer-attempt-1.log").is_file()
