@@ -334,7 +334,11 @@ class TrainerSpec(ApiModel):
     async_prefetch: bool = Field(
         default=False, description="Generate the next batch while the current one trains."
     )
-    prefetch_depth: int = Field(default=1, ge=1, le=8, description="Batches generated ahead with asyncPrefetch.")
+    prefetch_depth: int = Field(
+        default=1, ge=1, le=8,
+        description="Batches generated ahead with asyncPrefetch, requested concurrently so the server decodes "
+        "them together; each adds one step to the staleness bound.",
+    )
     checkpoint_interval: int = Field(default=10, ge=1, description="Write a resumable checkpoint every N steps.")
     seed: int = Field(default=42, ge=0, description="Random seed (data order, sampling, initialisation).")
     gradient_checkpointing: bool = Field(default=False, description="Trade compute for activation memory.")

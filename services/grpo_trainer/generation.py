@@ -6,8 +6,10 @@ server (new boot id) makes the trainer re-publish its current adapter and
 generate the batch again; an answer from an adapter older than the staleness
 bound is generated again too.
 
-With async prefetch, the batches of the next `depth` steps are requested in a
-background thread while the current step trains. Which prompts come next is
+With async prefetch, the batches of the next `depth` steps are requested in
+background threads while the current step trains, up to `depth` at once so the
+server decodes them together; each request's seed is drawn when it is submitted,
+in schedule order, so concurrency does not change what a seeded run samples. Which prompts come next is
 known from the sampler's schedule (see trl_overrides.ScheduleRecordingSampler);
 a prefetched answer is used only if it is for exactly the prompts requested.
 Every request first waits for a background adapter sync in flight, so a batch is
@@ -19,7 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,18 +66,24 @@ class _Pending:
 
 @dataclass
 class Prefetcher:
-    """Requests the next `depth` generation batches ahead, in order, on one worker thread."""
+    """Requests the next `depth` generation batches ahead, in order, up to `depth` in flight at once."""
 
     depth: int
-    request: Callable[[PromptIds], Completions]
+    #: Sends one request: (prompt ids, request number); the number is drawn at submission, in order.
+    request: Callable[[PromptIds, int], Completions]
     tokenize_rows: Callable[[list[int]], PromptIds]
+    numbers: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     schedule: list[list[int]] = field(default_factory=list)
     cursor: int = 0
     _queue: deque[_Pending] = field(default_factory=deque)
     _tokenized: dict[int, PromptIds] = field(default_factory=dict)
-    _pool: concurrent.futures.ThreadPoolExecutor = field(
-        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpo-prefetch")
-    )
+    _pool: concurrent.futures.ThreadPoolExecutor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(max(self.depth, 1), thread_name_prefix="grpo-prefetch")
+
+    def _submit(self, prompt_ids: PromptIds) -> concurrent.futures.Future[Completions]:
+        return self._pool.submit(self.request, prompt_ids, next(self.numbers))
 
     def set_schedule(self, batches: list[list[int]]) -> None:
         """A new epoch's generation batches (unique dataset rows per batch)."""
@@ -106,14 +114,14 @@ class Prefetcher:
                 break
             pending.future.cancel()
         if current is None:
-            current = self._pool.submit(self.request, prompt_ids)
+            current = self._submit(prompt_ids)
         if position is not None:
             self.cursor = position + 1
             queued = {p.position for p in self._queue}
             for ahead in range(self.cursor, min(self.cursor + self.depth, len(self.schedule))):
                 if ahead not in queued:
                     ids = self._prompts_at(ahead)
-                    self._queue.append(_Pending(ahead, ids, self._pool.submit(self.request, ids)))
+                    self._queue.append(_Pending(ahead, ids, self._submit(ids)))
         return current
 
     def pending_positions(self) -> list[int]:
@@ -169,14 +177,14 @@ class GenerationBackend:
         metrics.staleness_bound_steps.set(bound)
 
     def enable_prefetch(self, depth: int, tokenize_rows: Callable[[list[int]], PromptIds]) -> Prefetcher:
-        self.prefetcher = Prefetcher(depth=depth, request=self._request, tokenize_rows=tokenize_rows)
+        self.prefetcher = Prefetcher(depth=depth, request=self._request, tokenize_rows=tokenize_rows,
+                                     numbers=self._request_ids)
         return self.prefetcher
 
-    def _request(self, prompt_ids: PromptIds) -> Completions:
+    def _request(self, prompt_ids: PromptIds, request_id: int) -> Completions:
         # Sent only after a background sync is done (and raising its failure): never during a trigger.
         self.sync.wait()
         # A distinct, reproducible seed per request: the same run samples the same completions.
-        request_id = next(self._request_ids)
         sampling = {**self.sampling, "seed": (self.seed * 1_000_003 + request_id) % (2**31)}
         return self.client.completions(
             model=self.model_name, prompts=prompt_ids, n=self.num_generations, sampling=sampling
@@ -185,7 +193,7 @@ class GenerationBackend:
     def _fetch(self, prompt_ids: PromptIds, *, fresh: bool) -> Completions:
         if self.prefetcher is not None and not fresh:
             return self.prefetcher.take(prompt_ids).result()
-        return self._request(prompt_ids)
+        return self._request(prompt_ids, next(self._request_ids))
 
     def verdict(self, result: Completions) -> str | None:
         """Why this answer must not reach the loss, or None if it may."""

@@ -35,12 +35,12 @@ def completions(tag: int) -> Completions:
 
 
 def test_prefetcher_requests_the_next_batches_ahead_in_order():
-    requested: list[list[list[int]]] = []
+    requested: list[tuple[int, list[list[int]]]] = []
     gate = threading.Event()
 
-    def request(prompt_ids):
+    def request(prompt_ids, number):
         gate.wait(5)
-        requested.append(prompt_ids)
+        requested.append((number, prompt_ids))
         return completions(prompt_ids[0][0])
 
     schedule = [[0], [1], [2], [3], [4]]
@@ -55,13 +55,32 @@ def test_prefetcher_requests_the_next_batches_ahead_in_order():
     prefetcher.take([[20]]).result()
     assert prefetcher.pending_positions() == [3, 4]
     prefetcher.close()
-    assert requested[:3] == [[[0]], [[10]], [[20]]]
+    # numbered (and so seeded) in schedule order, whichever of the concurrent requests ran first
+    assert sorted(requested)[:3] == [(1, [[0]]), (2, [[10]]), (3, [[20]])]
+
+
+def test_prefetcher_keeps_depth_requests_in_flight_at_once():
+    started: list[int] = []
+    both_running = threading.Barrier(2, timeout=5)
+
+    def request(prompt_ids, number):
+        started.append(number)
+        both_running.wait()  # a single worker would never get here with two requests: BrokenBarrierError
+        return completions(prompt_ids[0][0])
+
+    prefetcher = Prefetcher(depth=2, request=request, tokenize_rows=lambda rows: [[r] for r in rows])
+    prefetcher.set_schedule([[0], [1]])  # two requests: the one taken and the one ahead
+    first = prefetcher.take([[0]])
+    assert first.result(timeout=10).completion_ids == [[0]]
+    assert prefetcher.take([[1]]).result(timeout=10).completion_ids == [[1]]
+    prefetcher.close()
+    assert sorted(started) == [1, 2]
 
 
 def test_prefetcher_realigns_when_batches_were_skipped_on_resume():
     requested: list[list[list[int]]] = []
 
-    def request(prompt_ids):
+    def request(prompt_ids, number):
         requested.append(prompt_ids)
         return completions(prompt_ids[0][0])
 
