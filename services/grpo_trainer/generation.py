@@ -9,8 +9,8 @@ bound is generated again too.
 With async prefetch, the batches of the next `depth` steps are requested in
 background threads while the current step trains, up to `depth` at once so the
 server decodes them together; each request's seed is drawn when it is submitted,
-in schedule order, so concurrency does not change what a seeded run samples. Which prompts come next is
-known from the sampler's schedule (see trl_overrides.ScheduleRecordingSampler);
+in schedule order, so concurrency does not change what a seeded run samples.
+Which prompts come next is known from the sampler's schedule (see trl_overrides.ScheduleRecordingSampler);
 a prefetched answer is used only if it is for exactly the prompts requested.
 Every request first waits for a background adapter sync in flight, so a batch is
 generated from the adapter of the latest step whose sync was started before it.

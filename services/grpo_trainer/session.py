@@ -30,7 +30,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from grpo_api.adapters import read_manifest
 from grpo_api.protocol import TrainingProgress
-from grpo_trainer.adapter_io import ADAPTER_WEIGHTS, save_peft_adapter, snapshot_peft_adapter
+from grpo_trainer.adapter_io import ADAPTER_WEIGHTS, AdapterSnapshot, snapshot_peft_adapter
 from grpo_trainer.checkpoints import mark_complete
 from grpo_trainer.metrics import TrainerMetrics
 from grpo_trainer.progress import append_history, now, write_progress
@@ -72,22 +72,21 @@ class TrainingSession:
 
     # ------------------------------------------------------------------------------------------ adapters
 
-    def save_adapter(self, directory: Path) -> dict[str, str]:
-        """Write the served adapter (in the serving dtype, hashed while written); returns {file: sha256}."""
+    def snapshot(self) -> AdapterSnapshot:
+        """The served adapter's files as of now, in the serving dtype."""
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        return save_peft_adapter(model, directory, dtype=self.publish_dtype)
+        return snapshot_peft_adapter(model, dtype=self.publish_dtype)
 
     def publish(self, step: int, reason: str) -> SyncResult:
         """Publish the current adapter and make it active before returning."""
-        result = self.sync.sync(self.save_adapter, step)
+        result = self.sync.sync(self.snapshot().write, step)
         self._published(result, step, reason)
         return result
 
     def publish_in_background(self, step: int, reason: str) -> None:
         """Take the adapter's bytes now; publish and activate them while training goes on."""
         started = time.monotonic()
-        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        snapshot = snapshot_peft_adapter(model, dtype=self.publish_dtype)
+        snapshot = self.snapshot()
         taken = time.monotonic() - started
         self.metrics.sync_snapshot_seconds.observe(taken)
         note = f"in the background after a {taken * 1000:.0f} ms snapshot"

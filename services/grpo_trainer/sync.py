@@ -15,7 +15,6 @@ and which adapter generates which batch is the same as with a blocking sync.
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -60,8 +59,8 @@ class AdapterSync:
         self.retry_seconds = retry_seconds
         self.active: PublishedAdapter | None = None
         self._log = log
-        self._lock = threading.Lock()
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        # Starts its one thread at the first background sync.
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpo-sync")
         self._pending: concurrent.futures.Future[SyncResult] | None = None
 
     def sync(self, save: Callable[[Path], Mapping[str, str] | None], step: int) -> SyncResult:
@@ -81,10 +80,7 @@ class AdapterSync:
         previous background sync first (raising its failure), so versions activate in order.
         """
         self.wait()
-        with self._lock:
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpo-sync")
-            self._pending = self._pool.submit(self._sync_then, save, step, done)
+        self._pending = self._pool.submit(self._sync_then, save, step, done)
 
     def wait(self) -> SyncResult | None:
         """Block until the background sync is done; its result, or None if none was started.
@@ -103,10 +99,7 @@ class AdapterSync:
 
     def close(self) -> None:
         """Let a background sync finish (its files complete or removed); never raises its failure."""
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
 
     def _sync_then(
         self, save: Callable[[Path], Mapping[str, str] | None], step: int, done: Callable[[SyncResult], None]
