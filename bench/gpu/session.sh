@@ -6,13 +6,17 @@
 #   bash bench/gpu/session.sh grpo                   # trainer vs the vLLM server, and TRL colocate
 #   bash bench/gpu/session.sh gen-offline            # LLM.generate variants + HF generate (+ py-spy)
 #   bash bench/gpu/session.sh gen-server             # engine direct, server HTTP, adapter sync, reload
+#   bash bench/gpu/session.sh lora-decode            # LoRA decode cost at step batch sizes, per vLLM setting
+#   bash bench/gpu/session.sh trainer-gpu-tests      # the trainer's CUDA-only tests (needs no vLLM)
 # py-spy profiles are taken when a py-spy wheel was carried to /tmp/stage (installed to /tmp/pyspy):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux_2_17_x86_64 --platform manylinux_2_5_x86_64 -d .device-stage/p1 py-spy
 # Knobs: TESTS_K (pytest -k for server-tests), TESTS_TIMEOUT, SKIP_DIRECT / SKIP_RELOAD (gen-server),
 # ONLY=server|colocate and LOGPROBS=sampler|auto (grpo: our run's spec.server.logprobsSource),
 # COMPLETION / BATCH / ACCUM / STEPS (grpo: the workload; e.g. COMPLETION=1024 BATCH=8 ACCUM=4 STEPS=6),
-# PREFETCH (grpo: our run's prefetchDepth, default 1).
+# PREFETCH (grpo: our run's prefetchDepth, default 1), ENGINE_ARGS (grpo: JSON for our server's
+# extraEngineArgs), SERVER_ENV (grpo: NAME=VALUE for our server's env), SETTINGS (lora-decode: default,specialize
+# unless set; SETTINGS=dual-stream in a call of its own).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -56,7 +60,8 @@ grpo() {
   log "GRPO: ours (server mode) vs TRL colocate, completions of ${COMPLETION:-256} tokens"
   timeout 560 $PY bench/grpo_step.py --model $M --dataset $D --steps ${STEPS:-8} --out "$OUT/grpo_step.json" \
     ${ONLY:+--only $ONLY} --logprobs-source "${LOGPROBS:-sampler}" --completion-length ${COMPLETION:-256} \
-    --batch ${BATCH:-32} --grad-accum ${ACCUM:-1} --prefetch-depth ${PREFETCH:-1} --work $work
+    --batch ${BATCH:-32} --grad-accum ${ACCUM:-1} --prefetch-depth ${PREFETCH:-1} --work $work \
+    ${ENGINE_ARGS:+--engine-args "$ENGINE_ARGS"} ${SERVER_ENV:+--server-env "$SERVER_ENV"}
   for f in $work/*.log; do tail -40 "$f" > "$OUT/$(basename "$f")"; done
   tail -30 $work/bench-server/logs/server-attempt-1.log > "$OUT/grpo-server-vllm.log" 2>/dev/null
   tail -60 $work/bench-server/logs/trainer-attempt-1.log > "$OUT/grpo-trainer.log" 2>/dev/null
@@ -80,10 +85,25 @@ gen_server() {
   tail -5 "$OUT/gen_direct.log" "$OUT/gen_http.log"
 }
 
+trainer_gpu_tests() {
+  log "trainer tests that need a GPU"
+  timeout 300 $PY -m pytest tests/trainer/test_adapter_io.py -q -p no:cacheprovider -o addopts="" -k gpu -rsfE \
+    --junitxml="$OUT/trainer_gpu_tests.xml" > "$OUT/trainer_gpu_tests.log" 2>&1
+  tail -5 "$OUT/trainer_gpu_tests.log"
+}
+
+lora_decode() {
+  log "LoRA decode cost per vLLM setting"
+  timeout 580 $PY bench/lora_decode.py --model $M --adapter $A --out "$OUT/lora_decode.json" \
+    ${SETTINGS:+--settings $SETTINGS} > "$OUT/lora_decode.log" 2>&1
+  grep -v "^INFO\|^(EngineCore" "$OUT/lora_decode.log" | tail -8
+}
+
 for phase in "$@"; do
   free_gpu
   case $phase in
     prep) prep ;; server-tests) server_tests ;; grpo) grpo ;; gen-offline) gen_offline ;; gen-server) gen_server ;;
+    lora-decode) lora_decode ;; trainer-gpu-tests) trainer_gpu_tests ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done

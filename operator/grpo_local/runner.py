@@ -17,7 +17,7 @@ import secrets
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,7 +41,7 @@ from grpo_api.lifecycle import (
     decide,
     wants_health,
 )
-from grpo_api.models import TERMINAL_PHASES, GRPORun, GRPORunStatus, Phase
+from grpo_api.models import TERMINAL_PHASES, EnvVar, GRPORun, GRPORunStatus, Phase
 from grpo_api.protocol import (
     ENV_ATTEMPT,
     ENV_RUN_CONFIG,
@@ -212,8 +212,10 @@ class LocalRun:
             self.token_file.chmod(0o600)
         self.config_file.write_text(self.config.to_yaml())
 
-    def child_env(self, attempt: int) -> dict[str, str]:
-        return {
+    def child_env(self, attempt: int, extra: Sequence[EnvVar] = ()) -> dict[str, str]:
+        """The child's variables; the container's `env` of the spec comes last, as in the pod, so it may
+        override ours on purpose."""
+        ours = {
             ENV_RUN_CONFIG: str(self.config_file),
             ENV_TOKEN_FILE: str(self.token_file),
             ENV_SERVER_URL: self.config.server_url,
@@ -223,6 +225,7 @@ class LocalRun:
             "TOKENIZERS_PARALLELISM": "false",
             "PYTHONUNBUFFERED": "1",
         }
+        return {**ours, **{e.name: e.value for e in extra}}
 
     def ensure_server(self, attempt: int, replicas: int) -> None:
         for other, child in self.servers.items():
@@ -236,7 +239,7 @@ class LocalRun:
             argv=[self.python, "-m", "grpo_cli.main", "serve", "--config", str(self.config_file),
                   "--host", "127.0.0.1", "--port", str(self.port)],
             log_path=self.logs_dir / f"server-attempt-{attempt}.log",
-            env=self.child_env(attempt),
+            env=self.child_env(attempt, self.run.spec.effective_server.env),
         )
         child.start()
         self.servers[attempt] = child
@@ -254,7 +257,7 @@ class LocalRun:
             attempt=attempt,
             argv=[self.python, "-m", "grpo_cli.main", "train", "--config", str(self.config_file)],
             log_path=self.logs_dir / f"trainer-attempt-{attempt}.log",
-            env=self.child_env(attempt),
+            env=self.child_env(attempt, self.run.spec.trainer.env),
         )
         child.start()
         self.trainers[attempt] = child

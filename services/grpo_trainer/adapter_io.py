@@ -17,7 +17,9 @@ are the library's own (`safe_open` in the server's checks, vLLM, PEFT).
 
 Taking the bytes (`snapshot_*`: the cast, the one copy to the host) is separate from
 writing them (`AdapterSnapshot.write`), so the trainer can snapshot at the end of a
-step and write, hash and trigger in the background while the next step trains.
+step and write, hash and trigger in the background while the next step trains. On a
+GPU the snapshot does not even wait for its copy: the copy into pinned memory is queued
+behind the step's optimizer kernels and `write` waits for its event.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ class AdapterSnapshot:
     #: The tensor data of adapter_model.safetensors (a view of one host buffer).
     weights_data: memoryview
     config: bytes
+    #: A CUDA event recorded after the copy into `weights_data` when that copy is still running
+    #: (a GPU model's snapshot does not wait for the queued optimizer kernels); None: the bytes are there.
+    copied: Any = None
 
     @property
     def size_bytes(self) -> int:
@@ -71,6 +76,8 @@ class AdapterSnapshot:
 
     def write(self, directory: Path) -> dict[str, str]:
         """Write adapter_model.safetensors and adapter_config.json durably; return {file: sha256}."""
+        if self.copied is not None:
+            self.copied.synchronize()
         directory.mkdir(parents=True, exist_ok=True)
         digests = {ADAPTER_WEIGHTS: write_file_durably(directory / ADAPTER_WEIGHTS, self.weights_prefix,
                                                        self.weights_data)}
@@ -80,9 +87,9 @@ class AdapterSnapshot:
 
 def snapshot_adapter(tensors: Mapping[str, Any], config: Mapping[str, Any], *, dtype: str) -> AdapterSnapshot:
     """The files of an adapter with these tensors (cast to `dtype`) and adapter_config.json content."""
-    prefix, data = safetensors_parts(tensors, dtype)
+    prefix, data, copied = safetensors_parts(tensors, dtype)
     config_bytes = json.dumps(dict(config), indent=2, sort_keys=True).encode()
-    return AdapterSnapshot(weights_prefix=prefix, weights_data=data, config=config_bytes)
+    return AdapterSnapshot(weights_prefix=prefix, weights_data=data, config=config_bytes, copied=copied)
 
 
 def write_adapter(
@@ -92,8 +99,13 @@ def write_adapter(
     return snapshot_adapter(tensors, config, dtype=dtype).write(directory)
 
 
-def safetensors_parts(tensors: Mapping[str, Any], dtype: str) -> tuple[bytes, memoryview]:
-    """(8-byte length + JSON header, tensor data) of a safetensors file holding `tensors` cast to `dtype`."""
+def safetensors_parts(tensors: Mapping[str, Any], dtype: str) -> tuple[bytes, memoryview, Any]:
+    """(8-byte length + JSON header, tensor data, copy event) of a safetensors file of `tensors` in `dtype`.
+
+    For CUDA tensors the data is copied into pinned host memory without waiting: the copy is queued
+    behind the kernels already on the stream (the step's optimizer), the event returned marks its end,
+    and the data may be read only after `event.synchronize()`. For host tensors the event is None.
+    """
     import torch
 
     if dtype not in SAFETENSORS_DTYPES:
@@ -107,7 +119,14 @@ def safetensors_parts(tensors: Mapping[str, Any], dtype: str) -> tuple[bytes, me
         flat = torch.cat([tensors[name].detach().to(target).reshape(-1) for name in names])
     else:
         flat = torch.empty(0, dtype=target)
-    host = flat.cpu()  # one device-to-host copy for the whole adapter
+    copied = None
+    if flat.is_cuda:  # one device-to-host copy for the whole adapter, not waited for here
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+    else:
+        host = flat.cpu()  # cat made a new tensor: the snapshot does not share the model's memory
     width = host.element_size()
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -119,7 +138,7 @@ def safetensors_parts(tensors: Mapping[str, Any], dtype: str) -> tuple[bytes, me
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the format pads the header to 8 bytes with spaces
     data = host.view(torch.uint8).numpy().data
-    return struct.pack("<Q", len(encoded)) + encoded, data
+    return struct.pack("<Q", len(encoded)) + encoded, data, copied
 
 
 def peft_adapter(model: Any, adapter_name: str = "default") -> tuple[dict[str, Any], dict[str, Any]]:

@@ -153,3 +153,42 @@ def test_a_snapshot_keeps_the_bytes_of_its_moment_while_the_model_trains_on(peft
             for name, param in peft_model.named_parameters():
                 if "lora_" in name:
                     param.sub_(1.0)
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU (run on the device: BENCHMARKS.md)")
+def test_a_gpu_snapshot_does_not_wait_for_queued_work_and_writes_the_bytes_of_its_moment(peft_model, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from grpo_trainer.adapter_io import peft_adapter, snapshot_peft_adapter
+
+    model = copy.deepcopy(peft_model).cuda()
+    before = {name: t.detach().to(torch.bfloat16).cpu() for name, t in peft_adapter(model)[0].items()}
+    big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    # The first pinned allocation and cuBLAS start synchronise the device; a trainer's later snapshots
+    # reuse the cached pinned block, as this one does.
+    snapshot_peft_adapter(model, dtype="bfloat16").write(tmp_path / "warm")
+    big = big @ big
+    torch.cuda.synchronize()
+    for _ in range(100):  # ~0.1 s of queued kernels standing in for the step's optimizer
+        big = (big @ big).clamp_(-1, 1)
+    snapshot = snapshot_peft_adapter(model, dtype="bfloat16")
+    assert snapshot.copied is not None and not snapshot.copied.query(), "the snapshot waited for the GPU"
+    with torch.no_grad():  # the next step's update, queued behind the copy
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.add_(1.0)
+    digests = snapshot.write(tmp_path / "v1")
+    written = load_file(tmp_path / "v1" / ADAPTER_WEIGHTS)
+    assert written.keys() == before.keys()
+    for name, tensor in written.items():
+        torch.testing.assert_close(tensor, before[name], rtol=0, atol=0)
+    assert digests[ADAPTER_WEIGHTS] == sha256_file(tmp_path / "v1" / ADAPTER_WEIGHTS)
