@@ -338,7 +338,8 @@ class TrainerSpec(ApiModel):
         default=1, ge=1, le=8,
         description="Batches generated ahead with asyncPrefetch, requested concurrently so the server decodes "
         "them together; each adds one step to the staleness bound. With server and trainer on one GPU, 2 "
-        "measured steps 1.4-1.7x faster than TRL colocate (1 measured 1.0-1.14x; BENCHMARKS.md).",
+        "measured steps 1.1-1.7x faster than TRL colocate, by how its short runs are sliced (1: 1.0-1.14x; "
+        "BENCHMARKS.md).",
     )
     checkpoint_interval: int = Field(default=10, ge=1, description="Write a resumable checkpoint every N steps.")
     seed: int = Field(default=42, ge=0, description="Random seed (data order, sampling, initialisation).")

@@ -129,30 +129,39 @@ def test_non_float_tensors_and_other_dtypes_are_refused(tmp_path):
 
 
 def test_a_snapshot_keeps_the_bytes_of_its_moment_while_the_model_trains_on(peft_model, tmp_path):
-    import torch
-    from safetensors.torch import load_file
-
     from grpo_trainer.adapter_io import peft_adapter, snapshot_peft_adapter
 
     before = {name: t.detach().clone() for name, t in peft_adapter(peft_model)[0].items()}
     snapshot = snapshot_peft_adapter(peft_model, dtype="float32")
-    with torch.no_grad():  # an optimizer step between the snapshot and the background write
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.add_(1.0)
+    _shift_lora(peft_model, 1.0)  # an optimizer step between the snapshot and the background write
     try:
-        digests = snapshot.write(tmp_path / "v1")
-        written = load_file(tmp_path / "v1" / ADAPTER_WEIGHTS)
-        assert written.keys() == before.keys()
-        for name, tensor in written.items():
-            torch.testing.assert_close(tensor, before[name], rtol=0, atol=0)
-        assert digests[ADAPTER_WEIGHTS] == sha256_file(tmp_path / "v1" / ADAPTER_WEIGHTS)
+        digests = _assert_writes(snapshot, tmp_path / "v1", before)
         assert snapshot.size_bytes == sum((tmp_path / "v1" / n).stat().st_size for n in digests)
     finally:
-        with torch.no_grad():
-            for name, param in peft_model.named_parameters():
-                if "lora_" in name:
-                    param.sub_(1.0)
+        _shift_lora(peft_model, -1.0)
+
+
+def _shift_lora(model, delta: float) -> None:
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.add_(delta)
+
+
+def _assert_writes(snapshot, directory: Path, expected) -> dict[str, str]:
+    """The snapshot writes exactly `expected` ({name: tensor}) and returns the file's true digest."""
+    import torch
+    from safetensors.torch import load_file
+
+    digests = snapshot.write(directory)
+    written = load_file(directory / ADAPTER_WEIGHTS)
+    assert written.keys() == expected.keys()
+    for name, tensor in written.items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0)
+    assert digests[ADAPTER_WEIGHTS] == sha256_file(directory / ADAPTER_WEIGHTS)
+    return digests
 
 
 def _cuda() -> bool:
@@ -166,7 +175,6 @@ def _cuda() -> bool:
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU (run on the device: BENCHMARKS.md)")
 def test_a_gpu_snapshot_does_not_wait_for_queued_work_and_writes_the_bytes_of_its_moment(peft_model, tmp_path):
     import torch
-    from safetensors.torch import load_file
 
     from grpo_trainer.adapter_io import peft_adapter, snapshot_peft_adapter
 
@@ -182,13 +190,5 @@ def test_a_gpu_snapshot_does_not_wait_for_queued_work_and_writes_the_bytes_of_it
         big = (big @ big).clamp_(-1, 1)
     snapshot = snapshot_peft_adapter(model, dtype="bfloat16")
     assert snapshot.copied is not None and not snapshot.copied.query(), "the snapshot waited for the GPU"
-    with torch.no_grad():  # the next step's update, queued behind the copy
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.add_(1.0)
-    digests = snapshot.write(tmp_path / "v1")
-    written = load_file(tmp_path / "v1" / ADAPTER_WEIGHTS)
-    assert written.keys() == before.keys()
-    for name, tensor in written.items():
-        torch.testing.assert_close(tensor, before[name], rtol=0, atol=0)
-    assert digests[ADAPTER_WEIGHTS] == sha256_file(tmp_path / "v1" / ADAPTER_WEIGHTS)
+    _shift_lora(model, 1.0)  # the next step's update, queued behind the copy
+    _assert_writes(snapshot, tmp_path / "v1", before)
