@@ -124,12 +124,17 @@ def main() -> None:
         progress_dir = (run_dir if mode == "server" else args.work / ".grpo" / name) / "progress"
         rows = history(progress_dir / f"{name}.history.jsonl")
         gaps = step_seconds(rows)
+        depth = args.prefetch_depth if mode == "server" else 1
+        timed = gaps[1:] or gaps  # the first gap pays for compilation and warm-up, when there are others
         results[mode] = {
             "exit_code": code, "wall_s": wall, "steps_logged": len(rows),
-            "step_s_median": statistics.median(gaps[1:]) if len(gaps) > 1 else (gaps[0] if gaps else None),
+            "step_s_median": statistics.median(timed) if timed else None,
             # with prefetch the first steps take batches generated before training began: the mean of the
             # same gaps is the throughput figure, the median the typical step
-            "step_s_mean": statistics.fmean(gaps[1:]) if len(gaps) > 1 else (gaps[0] if gaps else None),
+            "step_s_mean": statistics.fmean(timed) if timed else None,
+            # steps whose batch came from a trained adapter: gap i is step i + 2, and with prefetch depth d
+            # (colocate: none ahead, d = 1) steps up to d + 1 train on batches of the base model
+            "step_s_steady_mean": statistics.fmean(steady) if (steady := gaps[depth:]) else None,
             "step_s": gaps, "reward": [r.get("reward_mean") for r in rows],
             "sync_s": [r.get("sync_seconds") for r in rows],
         }
