@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command (README, .ci/run): installs what it needs, then lint, type check,
-# import contract, CRD drift check and the whole pytest suite against a real
-# kube-apiserver + etcd + kube-controller-manager built from the Go module proxy.
+# import contract, CRD drift check and the whole pytest suite: integration tests against a real
+# kube-apiserver + etcd + kube-controller-manager built from the Go module proxy, and the end-to-end
+# suite (tests/e2e) on a real single-node cluster (hack/cluster.sh) running the project's images.
 #
 #   bash hack/test.sh                 # everything
 #   bash hack/test.sh tests/server    # extra args go to pytest
@@ -19,6 +20,12 @@ step "Kubernetes test binaries (cached under ~/.cache/grpo-testbin)"
 GRPO_TESTBIN_DIR=$(bash hack/build-testbin.sh)
 export GRPO_TESTBIN_DIR
 ls "$GRPO_TESTBIN_DIR"
+
+step "real-node packages (Debian: containerd, runc, CNI plugins, iptables, buildah, mmdebstrap)"
+bash hack/cluster.sh deps
+
+step "images from the Dockerfiles (hack/images.sh, cached under ~/.cache/grpo-images)"
+bash hack/images.sh build
 
 step "ruff"
 .venv/bin/ruff check .

@@ -17,6 +17,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "serve": ("grpo_server.cli:serve", "server", "Start the generation server (FastAPI + vLLM or transformers)."),
     "train": ("grpo_trainer.cli:train", "trainer", "Run the GRPO trainer of one attempt."),
     "operator": ("grpo_operator.cli:operator", "operator", "Run the Kubernetes operator (kopf)."),
+    "stage": (
+        "grpo_stage.cli:stage",
+        "operator",
+        "Copy local files (model, dataset, reward code) onto a PersistentVolumeClaim through the Kubernetes API.",
+    ),
     "crd": ("grpo_cli.crd:crd", "", "Write or check the GRPORun CRD generated from the API models."),
     "make-model": (
         "grpo_testmodels.cli:make_model",

@@ -27,12 +27,13 @@ REPO = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 VERSION = PYPROJECT["project"]["version"]
 
-#: image -> (grpo subcommand, extras it installs)
+#: image -> (grpo subcommand, extras it installs; the server's: ENGINE=vllm, then ENGINE=cpu)
 IMAGES = {
-    "operator": ("operator", {"operator"}),
-    "server": ("serve", {"server", "vllm"}),
-    "trainer": ("train", {"trainer"}),
+    "operator": ("operator", [{"operator"}]),
+    "server": ("serve", [{"server", "vllm"}, {"server"}]),
+    "trainer": ("train", [{"trainer"}]),
 }
+SHARED_START, SHARED_END = "# ---- shared with Dockerfile.", "# ---- end of the shared part ----"
 
 
 def dockerfile(image: str) -> DockerfileParser:
@@ -88,7 +89,7 @@ def test_entrypoint_is_the_grpo_console_script_with_an_existing_subcommand(image
     assert subcommand in COMMANDS, f"`grpo {subcommand}` is not in grpo_cli.main.COMMANDS"
     assert PYPROJECT["project"]["scripts"]["grpo"] == "grpo_cli.main:main"
     extra_of_subcommand = COMMANDS[subcommand][1]
-    assert extra_of_subcommand in IMAGES[image][1], (
+    assert all(extra_of_subcommand in extras for extras in IMAGES[image][1]), (
         f"`grpo {subcommand}` needs the '{extra_of_subcommand}' extra, which Dockerfile.{image} does not install"
     )
 
@@ -111,11 +112,11 @@ def test_image_runs_as_a_numeric_non_root_user(image: str) -> None:
 @pytest.mark.parametrize("image", sorted(IMAGES))
 def test_image_installs_only_its_own_extra(image: str) -> None:
     installs = project_installs(dockerfile(image))
-    assert installs == [IMAGES[image][1]], f"Dockerfile.{image} installs the project with extras {installs}"
+    assert installs == IMAGES[image][1], f"Dockerfile.{image} installs the project with extras {installs}"
 
 
 def test_operator_image_never_installs_what_the_operator_may_not_import() -> None:
-    (extras,) = project_installs(dockerfile("operator"))
+    ((extras,),) = [project_installs(dockerfile("operator"))]
     forbidden = forbidden_for("grpo_operator")
     assert {"torch", "vllm", "transformers"} <= forbidden  # the contract is what we think it is
     leaked = packages_of(extras) & forbidden
@@ -124,9 +125,9 @@ def test_operator_image_never_installs_what_the_operator_may_not_import() -> Non
 
 @pytest.mark.parametrize("image", ["server", "trainer"])
 def test_server_and_trainer_images_install_no_kubernetes_client(image: str) -> None:
-    (extras,) = project_installs(dockerfile(image))
-    leaked = packages_of(extras) & forbidden_for(f"grpo_{image}")
-    assert not leaked, f"the {image} image would install {sorted(leaked)}"
+    for extras in project_installs(dockerfile(image)):
+        leaked = packages_of(extras) & forbidden_for(f"grpo_{image}")
+        assert not leaked, f"the {image} image would install {sorted(leaked)}"
 
 
 def test_server_image_installs_vllm_with_the_torch_it_was_built_for() -> None:
@@ -138,12 +139,43 @@ def test_server_image_installs_vllm_with_the_torch_it_was_built_for() -> None:
 @pytest.mark.parametrize("image", sorted(IMAGES))
 def test_base_image_and_pip_are_pinned(image: str) -> None:
     parser = dockerfile(image)
-    base = parser.baseimage
-    assert re.fullmatch(r"python:\d+\.\d+\.\d+-slim-[a-z]+", base), f"Dockerfile.{image}: FROM {base} not pinned"
+    assert instructions(parser, "FROM") == ["${BASE}"], f"Dockerfile.{image}: FROM must be the BASE build argument"
+    (base,) = [arg.split("=", 1)[1] for arg in instructions(parser, "ARG") if arg.startswith("BASE=")]
+    assert re.fullmatch(r"python:\d+\.\d+\.\d+-slim-[a-z]+", base), f"Dockerfile.{image}: BASE {base} not pinned"
     assert any('"pip==' in run for run in instructions(parser, "RUN")), f"Dockerfile.{image}: pip not pinned"
     assert f"GRPO_VERSION={VERSION}" in instructions(parser, "ARG"), (
         f"Dockerfile.{image}: ARG GRPO_VERSION must equal pyproject's version {VERSION}"
     )
+
+
+def shared_part(image: str) -> list[str]:
+    lines = (REPO / f"Dockerfile.{image}").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(SHARED_START))
+    return lines[start + 1: lines.index(SHARED_END)]
+
+
+def test_server_and_trainer_share_their_heavy_layers() -> None:
+    """Identical instructions after the same FROM: the builder reuses the torch layer for the second image."""
+    server, trainer = shared_part("server"), shared_part("trainer")
+    assert server == trainer, "the shared parts of Dockerfile.server and Dockerfile.trainer differ"
+    before = [(REPO / f"Dockerfile.{i}").read_text().split(SHARED_START)[0].splitlines() for i in ("server", "trainer")]
+    instructions_before = [[line for line in b if line and not line.startswith("#")] for b in before]
+    assert instructions_before[0] == instructions_before[1], instructions_before
+
+
+def test_heavy_layer_pins_equal_the_extras() -> None:
+    """The shared layer installs torch and the Hugging Face stack at the versions both extras pin."""
+    optional = PYPROJECT["project"]["optional-dependencies"]
+    pinned = set(re.findall(r'"([A-Za-z0-9_.-]+[=<>!~]=?[^"]+)"', "\n".join(shared_part("server"))))
+    pinned.discard("pip==26.3")
+    assert pinned, "the shared part installs nothing"
+    for requirement in pinned:
+        assert requirement in optional["server"], f"{requirement} is not pinned so in the server extra"
+        name = requirement_name(requirement)
+        trainer_pins = {requirement_name(r): r for r in optional["trainer"]}
+        if name in trainer_pins:
+            assert trainer_pins[name] == requirement, f"trainer extra pins {trainer_pins[name]}, image {requirement}"
+    assert any(r.startswith("torch==") for r in pinned)
 
 
 def test_run_images_default_to_this_version() -> None:

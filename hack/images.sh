@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# Build the project's images from its own Dockerfiles without Docker or a registry, for the real-node
+# tests (hack/cluster.sh) and for anyone who wants them on a machine with buildah:
+#
+#   hack/images.sh build        # base, pause, operator, server (CPU variant), trainer -> archives
+#   hack/images.sh build pause  # only these (and the base)
+#   hack/images.sh list         # print "REF ARCHIVE" for each image (what cluster.sh imports)
+#
+# Images are docker-archive tarballs under ~/.cache/grpo-images, each named by a hash of its inputs
+# (Dockerfile, build arguments, project files, base image), so a warm machine skips every build and
+# a changed input rebuilds only what depends on it. Tagged localhost/grpo-*:<hash>; the tests run them
+# with imagePullPolicy Never.
+#
+# The base is Debian bookworm made by mmdebstrap (python3 + a venv at /opt/venv first on PATH), a
+# stand-in for the Dockerfiles' default python:3.12-slim that needs no registry: the Dockerfiles take
+# it as `--build-arg BASE=...`. The server image is built with ENGINE=cpu (transformers engine, no
+# vLLM). The pip cache of this machine (~/.cache/pip) is the build's pip cache, so a warm machine
+# downloads nothing; server and trainer share their torch layer (identical first steps).
+set -euo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+CACHE=${GRPO_IMAGE_CACHE:-$HOME/.cache/grpo-images}
+TESTBIN=${GRPO_TESTBIN_DIR:-}
+SUITE=bookworm
+BASE_PACKAGES=python3,python3-venv,ca-certificates,passwd
+PIP_CACHE=${PIP_CACHE_DIR:-$HOME/.cache/pip}
+CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt
+mkdir -p "$CACHE" "$PIP_CACHE"
+
+log() { echo "[images] $*" >&2; }
+sha() { sha256sum | cut -c1-16; }
+
+# The inputs of the project images: everything a Dockerfile COPYs (the build context less caches).
+project_hash() {
+  (cd "$REPO" && find pyproject.toml README.md services operator -type f \
+      ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | sort -z | xargs -0 sha256sum) | sha
+}
+
+base_key() { printf '%s %s %s\n' "$SUITE" "$BASE_PACKAGES" "$(sed -n '/^build_base()/,/^}/p' "$0")" | sha; }
+pause_key() { sha256sum "$REPO/hack/node/pause.go" | sha; }
+image_key() {  # image_key DOCKERFILE BUILD_ARGS...
+  local dockerfile=$1; shift
+  { cat "$REPO/$dockerfile"; printf '%s\n' "$@"; base_key; project_hash; } | sha
+}
+
+ref_of() {  # ref_of NAME -> localhost/NAME:KEY
+  case $1 in
+    grpo-base) echo "localhost/grpo-base:$SUITE-$(base_key)" ;;
+    pause) echo "localhost/pause:$(pause_key)" ;;
+    grpo-operator) echo "localhost/grpo-operator:$(image_key Dockerfile.operator)" ;;
+    grpo-server) echo "localhost/grpo-server:cpu-$(image_key Dockerfile.server ENGINE=cpu)" ;;
+    grpo-trainer) echo "localhost/grpo-trainer:$(image_key Dockerfile.trainer)" ;;
+    *) echo "unknown image $1" >&2; return 1 ;;
+  esac
+}
+archive_of() { local ref; ref=$(ref_of "$1"); echo "$CACHE/${1}-${ref##*:}.tar"; }
+
+export_archive() {  # export_archive NAME REF ARCHIVE : buildah storage -> docker-archive in the cache
+  rm -f "$3.partial"
+  buildah push --quiet "$2" "docker-archive:$3.partial:$2" >/dev/null
+  mv "$3.partial" "$3"
+  find "$CACHE" -name "$1-*.tar" ! -path "$3" -delete   # older builds of this image
+}
+
+# Builders make the image REF (set by `ensure`, once, so that files changing during a build cannot
+# change the name it is exported under).
+build_base() {
+  local rootfs c; rootfs=$(mktemp -d)/rootfs.tar
+  mmdebstrap --variant=minbase --mode=root --format=tar --include="$BASE_PACKAGES" \
+    --customize-hook='chroot "$1" python3 -m venv /opt/venv' \
+    --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*.bin "$1"/usr/share/doc/* "$1"/usr/share/man/*' \
+    "$SUITE" "$rootfs" http://deb.debian.org/debian
+  c=$(buildah from scratch)
+  buildah add "$c" "$rootfs" / >/dev/null
+  buildah config --env PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    --env LANG=C.UTF-8 --cmd '["python3"]' "$c"
+  buildah commit --quiet --rm "$c" "$REF" >/dev/null
+  rm -rf "$(dirname "$rootfs")"
+}
+
+build_pause() {
+  local c bin
+  bin=${TESTBIN:-$(bash "$REPO/hack/build-testbin.sh" pause)}/pause
+  c=$(buildah from scratch)
+  buildah copy "$c" "$bin" /pause >/dev/null
+  buildah config --entrypoint '["/pause"]' --user 65535:65535 "$c"
+  buildah commit --quiet --rm "$c" "$REF" >/dev/null
+}
+
+share_pip_cache() {
+  # The Dockerfiles' `RUN --mount=type=cache,id=pip` is /var/tmp/buildah-cache/pip to buildah: make it
+  # this machine's pip cache, so wheels the host already has are not downloaded again.
+  local dir=/var/tmp/buildah-cache/pip
+  [ "$(readlink "$dir" 2>/dev/null)" = "$PIP_CACHE" ] && return
+  mkdir -p "$(dirname "$dir")"
+  rm -rf "$dir"
+  ln -s "$PIP_CACHE" "$dir"
+}
+
+build_dockerfile() {  # build_dockerfile DOCKERFILE [BUILD_ARG...]
+  local dockerfile=$1 args=() a; shift
+  for a in "$@"; do args+=(--build-arg "$a"); done
+  share_pip_cache
+  # --pull=never: BASE is the local base image. --network=host and the host's CA bundle: pip inside
+  # the build reaches PyPI as this machine does.
+  buildah bud --quiet --pull=never --network=host --layers \
+    --build-arg "BASE=$(ref_of grpo-base)" "${args[@]}" \
+    -v "$CA_BUNDLE:$CA_BUNDLE:ro" --env "PIP_CERT=$CA_BUNDLE" \
+    -f "$REPO/$dockerfile" -t "$REF" "$REPO" >/dev/null
+}
+
+ensure() {  # ensure NAME BUILDER [ARGS...] : build and export unless the archive for its key exists
+  local name=$1 s archive; shift
+  REF=$(ref_of "$name") archive=$(archive_of "$name")
+  if [ -s "$archive" ]; then return; fi
+  s=$(date +%s)
+  log "building $REF"
+  if ! buildah inspect --type image "$REF" >/dev/null 2>&1; then "$@"; fi
+  export_archive "$name" "$REF" "$archive"
+  log "$name: $(( $(date +%s) - s ))s, $(du -h "$archive" | cut -f1)"
+}
+
+build_all() {  # build_all [NAME...]
+  command -v buildah >/dev/null || { echo "buildah is missing (apt-get install buildah mmdebstrap)" >&2; exit 1; }
+  local names=${*:-grpo-base pause grpo-operator grpo-trainer grpo-server} n
+  ensure grpo-base build_base
+  for n in $names; do
+    case $n in
+      grpo-base) ;;
+      pause) ensure pause build_pause ;;
+      grpo-operator) base_in_storage; ensure grpo-operator build_dockerfile Dockerfile.operator ;;
+      grpo-trainer) base_in_storage; ensure grpo-trainer build_dockerfile Dockerfile.trainer ;;
+      grpo-server) base_in_storage; ensure grpo-server build_dockerfile Dockerfile.server ENGINE=cpu ;;
+      *) echo "unknown image $n" >&2; exit 2 ;;
+    esac
+  done
+}
+
+base_in_storage() {  # FROM needs the base in buildah's storage even when its archive came from the cache
+  buildah inspect --type image "$(ref_of grpo-base)" >/dev/null 2>&1 || \
+    buildah pull --quiet "docker-archive:$(archive_of grpo-base)" >/dev/null
+}
+
+list_all() {
+  local n; for n in pause grpo-base grpo-operator grpo-server grpo-trainer; do echo "$(ref_of "$n") $(archive_of "$n")"; done
+}
+
+case ${1:-build} in
+  build) shift || true; ( flock 9; build_all "$@" ) 9>"$CACHE/.lock"; list_all ;;
+  list) list_all ;;
+  *) echo "usage: $0 build|list" >&2; exit 2 ;;
+esac

@@ -1,0 +1,250 @@
+"""`grpo stage`: copy local files onto a PersistentVolumeClaim through the Kubernetes API."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import secrets
+import sys
+import time
+import typing
+from dataclasses import dataclass
+
+import click
+
+from grpo_api.models import QUANTITY_PATTERN, AccessMode, TrainerSpec
+from grpo_stage import kube
+from grpo_stage.errors import StageError
+from grpo_stage.manifests import POD_PREFIX, build_pod, compare_manifest, exec_status, receiver_command
+from grpo_stage.paths import Mapping, check_overlaps, parse_mapping
+from grpo_stage.progress import Progress, human_bytes
+from grpo_stage.sources import Entry, collect
+from grpo_stage.tarstream import FileDigest, write_tar
+
+DEFAULT_IMAGE = TrainerSpec().image
+
+
+def _mappings(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> list[Mapping]:
+    mappings = []
+    for value in values:
+        try:
+            mappings.append(parse_mapping(value))
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
+    try:
+        check_overlaps(mappings)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
+    return mappings
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and (value.startswith("-") or not re.fullmatch(QUANTITY_PATTERN, value)):
+        raise click.BadParameter(f"{value!r} is not a storage size such as 10Gi", ctx=ctx, param=param)
+    return value
+
+
+def _stderr(quiet: bool) -> typing.TextIO | None:
+    return None if quiet else sys.stderr
+
+
+def _say(quiet: bool, line: str) -> None:
+    if not quiet:
+        click.echo(f"grpo stage: {line}", err=True)
+
+
+@click.command("stage")
+@click.argument("mappings", metavar="SRC:DEST...", nargs=-1, required=True, callback=_mappings)
+@click.option("--claim", required=True, metavar="CLAIM", help="The PersistentVolumeClaim to copy onto.")
+@click.option("-n", "--namespace", metavar="NS", help="Namespace of the claim [default: the kubeconfig context's].")
+@click.option(
+    "--create",
+    "create_size",
+    metavar="SIZE",
+    callback=_size,
+    help="Create the claim with this size (e.g. 10Gi) if it does not exist; an existing one is used as is.",
+)
+@click.option(
+    "--storage-class", metavar="NAME", help="Storage class of a claim made by --create [default: the cluster's]."
+)
+@click.option(
+    "--access-mode",
+    type=click.Choice([m for m in typing.get_args(AccessMode) if m != "ReadOnlyMany"]),
+    default=None,
+    help="Access mode of a claim made by --create [default: ReadWriteOnce].",
+)
+@click.option(
+    "--image",
+    default=DEFAULT_IMAGE,
+    metavar="IMAGE",
+    show_default=True,
+    help="Image of the staging pod; it needs python3 (3.8+). Any image the nodes can pull will do.",
+)
+@click.option(
+    "--image-pull-policy",
+    type=click.Choice(["Always", "IfNotPresent", "Never"]),
+    default="IfNotPresent",
+    show_default=True,
+    help="Pull policy of the staging pod's image.",
+)
+@click.option(
+    "--timeout",
+    type=click.IntRange(10, 7 * 24 * 3600),
+    default=3600,
+    show_default=True,
+    metavar="SECONDS",
+    help="Limit of the whole staging; the pod also ends by itself after it.",
+)
+@click.option(
+    "--start-timeout",
+    type=click.IntRange(1, 7 * 24 * 3600),
+    default=300,
+    show_default=True,
+    metavar="SECONDS",
+    help="How long to wait for the staging pod to run (image pull, scheduling).",
+)
+@click.option(
+    "-L",
+    "--dereference",
+    is_flag=True,
+    help="Send the files that symbolic links inside a SRC directory point to, even outside it "
+    "(e.g. a Hugging Face cache snapshot); without it such links are refused.",
+)
+@click.option(
+    "--kubeconfig",
+    type=click.Path(dir_okay=False),
+    metavar="PATH",
+    help="Kubeconfig file [default: $KUBECONFIG, ~/.kube/config, else in-cluster credentials].",
+)
+@click.option("--context", metavar="NAME", help="Kubeconfig context [default: the current one].")
+@click.option("-q", "--quiet", is_flag=True, help="No progress lines; only the summary and errors.")
+def stage(
+    mappings: list[Mapping],
+    claim: str,
+    namespace: str | None,
+    create_size: str | None,
+    storage_class: str | None,
+    access_mode: str | None,
+    image: str,
+    image_pull_policy: str,
+    timeout: int,
+    start_timeout: int,
+    dereference: bool,
+    kubeconfig: str | None,
+    context: str | None,
+    quiet: bool,
+) -> None:
+    """Copy local files and directories onto a PersistentVolumeClaim, atomically and verified.
+
+    Each SRC (a local file or directory, copied recursively) goes to DEST, a path relative to the
+    claim's root (a GRPORun mounts it at storage.mountPath, /data by default). A short-lived pod
+    mounts the claim and receives a tar stream through the API (pods/exec: no registry, no hub);
+    every file's sha256 is checked before a DEST replaces what was there, all at once.
+
+    \b
+    Example:
+      grpo stage -n team-a --claim grpo-data --create 10Gi \\
+        ./my-model:models/my-model ./prompts.jsonl:datasets/prompts.jsonl \\
+        ./my_rewards.py:datasets/my_rewards.py
+    """
+    if create_size is None and (storage_class or access_mode):
+        raise click.UsageError("--storage-class and --access-mode only apply with --create SIZE")
+    started = time.monotonic()
+    deadline = started + timeout
+    try:
+        entries = collect(mappings, dereference=dereference)
+        api_client, default_namespace = kube.load_client(kubeconfig, context)
+        namespace = namespace or default_namespace
+        api = kube.StageApi(api_client)
+        request = (
+            kube.ClaimRequest(size=create_size, access_mode=access_mode or "ReadWriteOnce", storage_class=storage_class)
+            if create_size
+            else None
+        )
+        _say(quiet, kube.ensure_claim(api, namespace, claim, request))
+        pod = PodSettings(image, image_pull_policy, timeout, start_timeout)
+        digests = _stage(api, namespace, claim, entries, mappings, pod, deadline, quiet)
+    except StageError as exc:
+        raise click.ClickException(str(exc)) from exc
+    total = sum(d.size for d in digests.values())
+    seconds = time.monotonic() - started
+    click.echo(
+        f"grpo stage: staged {_files(len(digests))} ({human_bytes(total)}) onto PersistentVolumeClaim {claim} "
+        f"in namespace {namespace} in {seconds:.1f} s; sha256 of every file verified on the claim"
+    )
+
+
+@dataclass(frozen=True)
+class PodSettings:
+    image: str
+    image_pull_policy: str
+    lifetime_seconds: int
+    start_timeout: int
+
+
+def _files(n: int) -> str:
+    return f"{n} file" if n == 1 else f"{n} files"
+
+
+def _stage(
+    api: kube.StageApi,
+    namespace: str,
+    claim: str,
+    entries: list[Entry],
+    mappings: list[Mapping],
+    settings: PodSettings,
+    deadline: float,
+    quiet: bool,
+) -> dict[str, FileDigest]:
+    """Create the pod, stream, verify; the pod is deleted whatever happens (Ctrl-C included)."""
+    stage_id = secrets.token_hex(4)
+    pod = f"{POD_PREFIX}{stage_id}"
+    where = f"pod {pod} in namespace {namespace}"
+    total = sum(e.size for e in entries)
+    files = sum(1 for e in entries if not e.is_dir)
+    api.create(
+        build_pod(
+            name=pod,
+            namespace=namespace,
+            claim=claim,
+            image=settings.image,
+            image_pull_policy=settings.image_pull_policy,
+            lifetime_seconds=settings.lifetime_seconds,
+        )
+    )
+    try:
+        _say(quiet, f"started staging {where} (image {settings.image}); waiting for it to run")
+        start_timeout = min(settings.start_timeout, max(1.0, deadline - time.monotonic()))
+        kube.wait_running(api, namespace, pod, start_timeout)
+        _say(quiet, f"sending {_files(files)} ({human_bytes(total)}) to claim {claim}")
+        ws = api.open_exec(namespace, pod, receiver_command(stage_id, [m.dest for m in mappings]))
+        digests: dict[str, FileDigest] | None = None
+        try:
+            sink = kube.ExecStdin(ws, deadline)
+            try:
+                digests = write_tar(entries, sink, Progress(total, _stderr(quiet)).advance)
+                sink.close()
+            except kube.ReceiverGone:
+                pass  # the receiver's own words (below) say why
+            except BaseException:
+                kube.abort_exec(ws)
+                raise
+            result = kube.finish_exec(ws, deadline)
+        finally:
+            with contextlib.suppress(Exception):
+                ws.close()
+        code, message = exec_status(result.error_channel)
+        if code != 0 or digests is None:
+            said = result.stderr.strip() or message or "no message"
+            status = f"exit code {code}" if code is not None else message or "no exit status"
+            raise StageError(f"the receiver in {where} failed ({status}), staging onto claim {claim}:\n{said}")
+        problems = compare_manifest(digests, result.stdout)
+        if problems:
+            raise StageError(f"claim {claim} does not hold what was sent ({where}):\n  " + "\n  ".join(problems[:20]))
+        return digests
+    finally:
+        _say(quiet, f"deleting {where}")
+        try:
+            api.delete_pod(namespace, pod)
+        except StageError as exc:
+            click.echo(f"grpo stage: warning: {exc}", err=True)

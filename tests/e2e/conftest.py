@@ -1,0 +1,298 @@
+"""Fixtures of the end-to-end suite: a real node, the project's images, the chart, staged data.
+
+`hack/images.sh build` builds the images from the project's Dockerfiles (cached by a hash of their
+inputs), `hack/cluster.sh up` starts a real single-node cluster (kubelet, containerd, CNI,
+kube-proxy, CoreDNS) and imports them. Then the tests do what a user does: `helm install` the chart
+with image overrides only, `grpo stage` the model, prompts and reward module onto a claim, and
+`kubectl apply` the CPU example. Everything is checked through the cluster's API (kubectl), never by
+reaching into the node's files.
+
+The cluster is stopped at the end of the session (`hack/cluster.sh down`) unless GRPO_E2E_KEEP=1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+NAMESPACE = "grpo-e2e"
+RELEASE, RELEASE_NAMESPACE = "grpo", "grpo-system"
+CLAIM = "grpo-data"
+IMAGE_BUILD_TIMEOUT_S = 45 * 60
+CLUSTER_UP_TIMEOUT_S = 15 * 60
+
+
+def _run(argv: list[str], timeout: float, env: dict[str, str] | None = None, input: str | None = None,
+         check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env, input=input,
+                          check=False)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(argv[:4])} ... exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+@dataclass(frozen=True)
+class Node:
+    """The running cluster, used through its own clients."""
+
+    kubeconfig: Path
+    bin_dir: Path
+    images: dict[str, str]
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PATH": f"{self.bin_dir}:{os.environ['PATH']}"}
+
+    def kubectl(self, *args: str, timeout: float = 60, input: str | None = None,
+                check: bool = True) -> subprocess.CompletedProcess[str]:
+        return _run([str(self.bin_dir / "kubectl"), *args], timeout, env=self.env, input=input, check=check)
+
+    def helm(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return _run([str(self.bin_dir / "helm"), *args], timeout, env=self.env)
+
+    def get(self, kind: str, name: str, namespace: str | None = NAMESPACE) -> dict[str, Any] | None:
+        where = ["-n", namespace] if namespace else []
+        proc = self.kubectl("get", kind, name, *where, "-o", "json", check=False)
+        if proc.returncode != 0:
+            if "NotFound" in proc.stderr:
+                return None
+            pytest.fail(f"kubectl get {kind} {name}: {proc.stderr}")
+        found: dict[str, Any] = json.loads(proc.stdout)
+        return found
+
+    def list(self, kind: str, selector: str, namespace: str = NAMESPACE) -> list[dict[str, Any]]:
+        proc = self.kubectl("get", kind, "-n", namespace, "-l", selector, "-o", "json")
+        items: list[dict[str, Any]] = json.loads(proc.stdout)["items"]
+        return items
+
+    def apply(self, obj: dict[str, Any]) -> None:
+        self.kubectl("apply", "-f", "-", input=yaml.safe_dump(obj))
+
+
+def _images() -> dict[str, str]:
+    out = _run(["bash", "hack/images.sh", "build"], IMAGE_BUILD_TIMEOUT_S).stdout
+    refs = dict(line.split()[0].rsplit(":", 1) for line in out.splitlines() if line.startswith("localhost/"))
+    return {repo.removeprefix("localhost/"): f"{repo}:{tag}" for repo, tag in refs.items()}
+
+
+@pytest.fixture(scope="session")
+def node() -> Iterator[Node]:
+    if os.geteuid() != 0:
+        pytest.fail("the end-to-end suite runs a kubelet and containerd: it needs root")
+    testbin = os.environ.get("GRPO_TESTBIN_DIR") or _run(
+        ["bash", "hack/build-testbin.sh"], IMAGE_BUILD_TIMEOUT_S).stdout.strip().splitlines()[-1]
+    env = {**os.environ, "GRPO_TESTBIN_DIR": testbin}
+    images = _images()
+    started = time.monotonic()
+    up = _run(["bash", "hack/cluster.sh", "up"], CLUSTER_UP_TIMEOUT_S, env=env, check=False)
+    if up.returncode != 0:
+        _run(["bash", "hack/cluster.sh", "down"], 300, env=env, check=False)
+        pytest.fail(f"hack/cluster.sh up failed:\n{up.stderr[-4000:]}")
+    _run(["bash", "hack/cluster.sh", "images"], CLUSTER_UP_TIMEOUT_S, env=env)
+    print(f"\n[e2e] cluster up and images imported in {time.monotonic() - started:.0f}s", file=sys.stderr)
+    kubeconfig = Path(os.environ.get("GRPO_NODE_DIR", "/var/lib/grpo-node")) / "admin.kubeconfig"
+    node = Node(kubeconfig=kubeconfig, bin_dir=Path(testbin), images=images)
+    _clean_slate(node, env)
+    try:
+        yield node
+    finally:
+        if os.environ.get("GRPO_E2E_KEEP") != "1":
+            _run(["bash", "hack/cluster.sh", "down"], 300, env=env, check=False)
+
+
+def _clean_slate(node: Node, env: dict[str, str]) -> None:
+    """A cluster kept from an earlier session (GRPO_E2E_KEEP=1) starts over: no runs, release or claims.
+
+    Runs go before their namespace: deleting a watched namespace also deletes the operator's Role in it
+    (namespaced watch mode), after which nothing can release the runs' finalizers (README, known limits).
+    """
+    if node.kubectl("get", "namespace", NAMESPACE, check=False).returncode == 0:
+        node.kubectl("delete", "grporuns", "--all", "-n", NAMESPACE, "--wait=false", check=False)
+        deadline = time.monotonic() + 60
+        while node.list("grporun", "", NAMESPACE) and time.monotonic() < deadline:
+            time.sleep(1)
+        for run in node.list("grporun", "", NAMESPACE):   # left by a session whose operator was gone
+            node.kubectl("patch", "grporun", run["metadata"]["name"], "-n", NAMESPACE, "--type=merge",
+                         "-p", '{"metadata": {"finalizers": null}}', check=False)
+        node.kubectl("delete", "namespace", NAMESPACE, "--wait=true", timeout=300)
+    if node.kubectl("get", "namespace", RELEASE_NAMESPACE, check=False).returncode == 0:
+        _run([str(node.bin_dir / "helm"), "uninstall", RELEASE, "-n", RELEASE_NAMESPACE, "--wait"], 300,
+             env=node.env, check=False)
+    _run(["bash", "hack/cluster.sh", "volumes"], 300, env=env)
+
+
+@pytest.fixture(scope="session")
+def operator_release(node: Node) -> str:
+    """The chart, installed as the README says, with the locally built operator image."""
+    node.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
+    repository, tag = node.images["grpo-operator"].rsplit(":", 1)
+    node.helm("upgrade", "--install", RELEASE, str(REPO / "charts" / "grpo-operator"), "-n", RELEASE_NAMESPACE,
+              "--create-namespace", "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
+              "--set", "image.pullPolicy=Never", "--set", f"watch.namespaces={{{NAMESPACE}}}",
+              "--wait", "--timeout", "180s")
+    return RELEASE
+
+
+@pytest.fixture(scope="session")
+def staged(node: Node, operator_release: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny model, its prompts and the example's reward module on the claim grpo-data, by `grpo stage`."""
+    from grpo_testmodels import make_dataset, make_model
+
+    work = tmp_path_factory.mktemp("stage")
+    model = make_model(work / "tiny-model", preset="tiny", seed=0)
+    prompts = make_dataset(work / "prompts.jsonl", model)
+    grpo = str(Path(sys.executable).parent / "grpo")
+    _run([grpo, "stage", "-n", NAMESPACE, "--claim", CLAIM, "--create", "2Gi", "--access-mode", "ReadWriteMany",
+          "--image", node.images["grpo-trainer"], "--image-pull-policy", "Never",
+          f"{model}:models/tiny", f"{prompts}:datasets/prompts.jsonl",
+          f"{REPO / 'examples' / 'rewards' / 'target_tokens.py'}:datasets/target_tokens.py"], 600, env=node.env)
+    return CLAIM
+
+
+def example_run(node: Node, name: str, **trainer: Any) -> dict[str, Any]:
+    """examples/cpu-run.yaml as a user applies it, with the test images and the suite's namespace."""
+    run: dict[str, Any] = yaml.safe_load((REPO / "examples" / "cpu-run.yaml").read_text())
+    run["metadata"] = {"name": name, "namespace": NAMESPACE}
+    run["spec"]["server"].update(image=node.images["grpo-server"], imagePullPolicy="Never")
+    run["spec"]["trainer"].update(image=node.images["grpo-trainer"], imagePullPolicy="Never", **trainer)
+    return run
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 2.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def run_status(node: Node, name: str) -> dict[str, Any]:
+    run = node.get("grporun", name)
+    assert run is not None, f"GRPORun {name} is gone"
+    status: dict[str, Any] = run.get("status") or {}
+    return status
+
+
+def wait_phase(node: Node, name: str, phase: str, timeout: float) -> dict[str, Any]:
+    """Wait for a phase; a run that fails on the way fails the test with its reason and message."""
+
+    def reached() -> dict[str, Any] | None:
+        status = run_status(node, name)
+        if status.get("phase") == "Failed" and phase != "Failed":
+            pytest.fail(f"run {name} failed: {status.get('reason')}: {status.get('message')}\n"
+                        f"{describe(node, name)}")
+        return status if status.get("phase") == phase else None
+
+    result: dict[str, Any] = wait_for(reached, timeout, f"run {name} to reach {phase}")
+    return result
+
+
+def wait_step(node: Node, name: str, step: int, timeout: float) -> dict[str, Any]:
+    def reached() -> dict[str, Any] | None:
+        status = run_status(node, name)
+        if status.get("phase") in ("Failed", "Succeeded"):
+            pytest.fail(f"run {name} ended ({status.get('phase')}) before step {step}: {status.get('message')}")
+        return status if (status.get("progress") or {}).get("step", 0) >= step else None
+
+    result: dict[str, Any] = wait_for(reached, timeout, f"run {name} to pass step {step}", interval=1.0)
+    return result
+
+
+def describe(node: Node, name: str) -> str:
+    """What a person would look at when a run goes wrong: its children, events and pod logs."""
+    parts = [node.kubectl("get", "grporun,deploy,job,pod,svc,pvc", "-n", NAMESPACE, "-o", "wide", check=False).stdout,
+             node.kubectl("get", "events", "-n", NAMESPACE, "--sort-by=.lastTimestamp", check=False).stdout[-4000:]]
+    for component in ("server", "trainer"):
+        parts.append(node.kubectl("logs", "-n", NAMESPACE, "-l", f"grpo.dev/run={name},grpo.dev/component={component}",
+                                  "--tail=40", "--all-containers", check=False).stdout)
+    parts.append(node.kubectl("logs", "-n", RELEASE_NAMESPACE, "deploy/grpo-grpo-operator", "--tail=40",
+                              check=False).stdout)
+    return "\n".join(parts)
+
+
+class VolumeReader:
+    """A pod that mounts the claim read-only, to read what the run wrote there (as a user would)."""
+
+    def __init__(self, node: Node, claim: str) -> None:
+        self.node, self.name = node, "volume-reader"
+        node.apply({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": self.name, "namespace": NAMESPACE},
+            "spec": {
+                "restartPolicy": "Never", "automountServiceAccountToken": False,
+                "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
+                                    "seccompProfile": {"type": "RuntimeDefault"}},
+                "containers": [{
+                    "name": "reader", "image": node.images["grpo-trainer"], "imagePullPolicy": "Never",
+                    "command": ["python3", "-c", "import time; time.sleep(7200)"],
+                    "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+                    "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}],
+                }],
+                "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}],
+            },
+        })
+        node.kubectl("wait", "-n", NAMESPACE, "--for=condition=Ready", f"pod/{self.name}", "--timeout=180s",
+                     timeout=200)
+
+    def read(self, path: str) -> str:
+        return self.node.kubectl("exec", "-n", NAMESPACE, self.name, "--", "cat", path).stdout
+
+    def listdir(self, path: str) -> list[str]:
+        proc = self.node.kubectl("exec", "-n", NAMESPACE, self.name, "--", "ls", "-1", path, check=False)
+        return proc.stdout.split() if proc.returncode == 0 else []
+
+    def history(self, run: str) -> list[dict[str, Any]]:
+        text = self.read(f"/data/progress/{run}.history.jsonl")
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def volume(node: Node, staged: str) -> VolumeReader:
+    return VolumeReader(node, staged)
+
+
+class LogFollower:
+    """`kubectl logs -f` of a run's pods of one component, kept after the pods are gone."""
+
+    def __init__(self, node: Node, run: str, component: str) -> None:
+        self.node, self.selector = node, f"grpo.dev/run={run},grpo.dev/component={component}"
+        self.procs: list[subprocess.Popen[str]] = []
+        self.seen: set[str] = set()
+
+    def poll(self) -> None:
+        """Follow every pod of the component not followed yet (a restarted server is a new pod)."""
+        for pod in self.node.list("pod", self.selector):
+            name = pod["metadata"]["name"]
+            statuses = (pod.get("status") or {}).get("containerStatuses") or []
+            started = any("running" in (s.get("state") or {}) or "terminated" in (s.get("state") or {})
+                          for s in statuses)
+            if name in self.seen or not started:
+                continue
+            self.seen.add(name)
+            self.procs.append(subprocess.Popen(
+                [str(self.node.bin_dir / "kubectl"), "logs", "-f", "-n", NAMESPACE, name],
+                env=self.node.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+
+    def text(self) -> str:
+        out = []
+        for proc in self.procs:
+            try:
+                out.append(proc.communicate(timeout=30)[0])
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out.append(proc.communicate()[0])
+        return "\n".join(out)

@@ -1,0 +1,91 @@
+"""A GRPORun trains to Succeeded on a real node: our images, the chart, staged data, `kubectl apply`.
+
+Everything a platform team's first day exercises runs for real here: the images' entrypoints, users
+and file permissions, the server's probes, the PVC shared by server and trainer, /dev/shm, Service
+DNS from the trainer to the server, the operator's in-cluster credentials and RBAC, Events.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tests.e2e.conftest import (
+    NAMESPACE,
+    LogFollower,
+    Node,
+    VolumeReader,
+    describe,
+    example_run,
+    wait_for,
+    wait_phase,
+)
+
+RUN = "tiny-cpu"
+MAX_STEPS = 30
+RUN_TIMEOUT_S = 20 * 60
+
+
+def test_example_run_trains_to_succeeded_on_the_node(node: Node, staged: str, volume: VolumeReader) -> None:
+    node.apply(example_run(node, RUN))
+    server_logs, trainer_logs = LogFollower(node, RUN, "server"), LogFollower(node, RUN, "trainer")
+
+    def succeeded() -> dict | None:
+        server_logs.poll()
+        trainer_logs.poll()
+        status = node.get("grporun", RUN)["status"] or {}
+        if status.get("phase") == "Failed":
+            raise AssertionError(f"run failed: {status.get('reason')}: {status.get('message')}\n{describe(node, RUN)}")
+        return status if status.get("phase") == "Succeeded" else None
+
+    status = wait_for(succeeded, RUN_TIMEOUT_S, f"{RUN} to succeed")
+
+    # status as the operator wrote it
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Succeeded"]["status"] == "True", conditions
+    assert conditions.get("Failed", {}).get("status") != "True", conditions
+    assert status["attempt"] == 1 and status.get("failedAttempts", 0) == 0, status
+    assert status["progress"]["step"] == MAX_STEPS, status["progress"]
+    assert status["adapter"]["version"] == MAX_STEPS, status["adapter"]
+    assert status["server"]["bootId"], status["server"]
+
+    # what a user sees in `kubectl get grporuns`
+    table = node.kubectl("get", "grporuns", "-n", NAMESPACE).stdout.splitlines()
+    header, row = table[0].split(), next(line.split() for line in table[1:] if line.startswith(RUN))
+    assert header[:5] == ["NAME", "PHASE", "STEP", "REWARD", "ATTEMPT"], header
+    assert row[1] == "Succeeded" and row[2] == str(MAX_STEPS) and row[4] == "1", row
+
+    # Events on every transition, from the operator
+    events = node.list("events", "", NAMESPACE)
+    reasons = [e["reason"] for e in events if e["involvedObject"].get("name") == RUN
+               and e["involvedObject"].get("kind") == "GRPORun"]
+    for reason in ("Created", "ServerStarting", "TrainerRunning", "Completed"):
+        assert reason in reasons, f"no {reason} event; events: {reasons}"
+
+    # the trainer's record on the volume: every step once, and the reward rose
+    history = volume.history(RUN)
+    steps = [h["step"] for h in history]
+    assert steps == list(range(1, MAX_STEPS + 1)), steps
+    rewards = [h["reward_mean"] for h in history]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last >= 1.5 * first, f"reward did not rise enough: first-5 {first:.3f}, last-5 {last:.3f}: {rewards}"
+
+    # adapters published on the PVC: the final version is there, with its manifest; older ones pruned
+    versions = sorted(int(v[1:]) for v in volume.listdir(f"/data/adapters/{RUN}") if re.fullmatch(r"v\d+", v))
+    assert versions and versions[-1] == MAX_STEPS, versions
+    assert len(versions) <= 3, f"old adapter versions were not pruned: {versions}"
+    files = volume.listdir(f"/data/adapters/{RUN}/v{MAX_STEPS}")
+    assert "adapter_model.safetensors" in files and "adapter_config.json" in files, files
+
+    # the finished run gave its server back (cleanupPolicy StopServer) and the trainer Job completed
+    deployment = node.get("deployment", f"{RUN}-server")
+    assert deployment is not None and deployment["spec"]["replicas"] == 0, deployment and deployment["spec"]
+    job = node.get("job", f"{RUN}-trainer-1")
+    assert job is not None and job["status"].get("succeeded") == 1, job and job["status"]
+
+    # the pods' own logs: no traceback anywhere, and the server really served this run's adapters
+    server_text, trainer_text = server_logs.text(), trainer_logs.text()
+    assert server_text.strip() and trainer_text.strip(), "no pod logs were collected"
+    for name, text in (("server", server_text), ("trainer", trainer_text)):
+        assert "Traceback" not in text, f"{name} log has a traceback:\n{text[-5000:]}"
+    assert f"v{MAX_STEPS}" in server_text or "set_lora_adapter" in server_text, server_text[-3000:]
+    wait_phase(node, RUN, "Succeeded", 5)

@@ -1,0 +1,137 @@
+"""Faults on the real node, each ending in a correct final state.
+
+Each test runs its own GRPORun of the CPU example and breaks one thing the way production does: the
+kubelet, the Deployment and Job controllers and the garbage collector do their real work.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tests.e2e.conftest import (
+    NAMESPACE,
+    RELEASE_NAMESPACE,
+    Node,
+    VolumeReader,
+    example_run,
+    wait_for,
+    wait_phase,
+    wait_step,
+)
+
+#: Longer runs than the main test (a CPU step takes well under a second here): the fault must land
+#: mid-training although the run's status reports progress only every few seconds.
+STEPS = 120
+CHECKPOINT_INTERVAL = 10
+RUN_TIMEOUT_S = 15 * 60
+
+
+def children(node: Node, run: str) -> dict[str, list[str]]:
+    found = {}
+    for kind in ("deployment", "job", "service", "configmap", "secret", "networkpolicy", "pod"):
+        found[kind] = [o["metadata"]["name"] for o in node.list(kind, f"grpo.dev/run={run}")]
+    return found
+
+
+def server_pods(node: Node, run: str) -> list[dict]:
+    return [p for p in node.list("pod", f"grpo.dev/run={run},grpo.dev/component=server")
+            if not p["metadata"].get("deletionTimestamp")]
+
+
+def assert_each_step_once(volume: VolumeReader, run: str, last: int) -> list[dict]:
+    history = volume.history(run)
+    steps = [h["step"] for h in history]
+    assert steps == list(range(1, last + 1)), f"steps trained (one line per step): {steps}"
+    return history
+
+
+def test_server_pod_deleted_mid_training_keeps_the_attempt_and_the_run_succeeds(
+        node: Node, staged: str, volume: VolumeReader) -> None:
+    run = "fault-server"
+    node.apply(example_run(node, run, maxSteps=STEPS))
+    first_boot = wait_step(node, run, 5, RUN_TIMEOUT_S)["server"]["bootId"]
+    (pod,) = server_pods(node, run)
+    node.kubectl("delete", "pod", "-n", NAMESPACE, pod["metadata"]["name"], "--wait=false")
+
+    status = wait_phase(node, run, "Succeeded", RUN_TIMEOUT_S)
+    assert status["attempt"] == 1 and status.get("failedAttempts", 0) == 0, status
+    new_boot = status["server"]["bootId"]
+    assert new_boot and new_boot != first_boot, (first_boot, status["server"])
+    events = [e for e in node.list("events", "", NAMESPACE) if e["involvedObject"].get("name") == run]
+    assert any(e["reason"] == "ServerRestarted" and new_boot in e["message"] for e in events), (
+        [(e["reason"], e["message"]) for e in events])
+
+    (trainer,) = node.list("pod", f"grpo.dev/run={run},grpo.dev/component=trainer")
+    lines = node.kubectl("logs", "-n", NAMESPACE, trainer["metadata"]["name"]).stdout.splitlines()
+    assert not [line for line in lines if "Traceback" in line], lines[-40:]
+    # the trainer saw the new boot id and published its adapter to the new server before generating on
+    (restart,) = [i for i, line in enumerate(lines) if line.startswith(f"server restarted: boot id {first_boot} ->")]
+    after = [line for line in lines[restart + 1:] if line.startswith(("published adapter", "generated"))]
+    assert after[0].startswith("published adapter"), lines[restart: restart + 5]
+    assert_each_step_once(volume, run, STEPS)
+    assert status["adapter"]["version"] == STEPS
+
+
+def test_trainer_pod_killed_mid_run_retries_with_a_fresh_server_and_resumes(
+        node: Node, staged: str, volume: VolumeReader) -> None:
+    run = "fault-trainer"
+    node.apply(example_run(node, run, maxSteps=STEPS, checkpointInterval=CHECKPOINT_INTERVAL))
+    first = wait_step(node, run, CHECKPOINT_INTERVAL + 2, RUN_TIMEOUT_S)
+    first_boot = first["server"]["bootId"]
+    (pod,) = node.list("pod", f"grpo.dev/run={run},grpo.dev/component=trainer")
+    node.kubectl("delete", "pod", "-n", NAMESPACE, pod["metadata"]["name"], "--grace-period=0", "--force")
+
+    status = wait_phase(node, run, "Succeeded", RUN_TIMEOUT_S)
+    assert status["attempt"] == 2 and status["failedAttempts"] == 1, status
+    assert status["server"]["bootId"] and status["server"]["bootId"] != first_boot, (first_boot, status["server"])
+    history = volume.history(run)
+    first_steps = [h["step"] for h in history if h.get("attempt") == 1]
+    second_steps = [h["step"] for h in history if h.get("attempt") == 2]
+    assert first_steps and second_steps, history
+    # the second attempt resumed from the last checkpoint the first one wrote, not from step 0, and finished
+    resumed_from = second_steps[0] - 1
+    assert resumed_from % CHECKPOINT_INTERVAL == 0 and resumed_from > 0, (first_steps, second_steps)
+    assert first_steps[-1] - 2 * CHECKPOINT_INTERVAL <= resumed_from <= first_steps[-1], (first_steps, second_steps)
+    assert second_steps == list(range(second_steps[0], STEPS + 1)), second_steps
+
+
+def test_operator_pod_deleted_mid_run_comes_back_without_duplicate_children(
+        node: Node, staged: str, volume: VolumeReader) -> None:
+    run = "fault-operator"
+    node.apply(example_run(node, run, maxSteps=STEPS))
+    wait_step(node, run, 3, RUN_TIMEOUT_S)
+    selector = "app.kubernetes.io/name=grpo-operator"
+    (old,) = node.list("pod", selector, RELEASE_NAMESPACE)
+    node.kubectl("delete", "pod", "-n", RELEASE_NAMESPACE, old["metadata"]["name"], "--wait=false")
+
+    def new_operator_ready() -> bool:
+        pods = [p for p in node.list("pod", selector, RELEASE_NAMESPACE)
+                if p["metadata"]["name"] != old["metadata"]["name"]]
+        return any(c.get("ready") for p in pods for c in (p.get("status") or {}).get("containerStatuses") or [])
+
+    wait_for(new_operator_ready, 180, "the operator Deployment to bring a new pod up")
+    status = wait_phase(node, run, "Succeeded", RUN_TIMEOUT_S)
+    assert status["attempt"] == 1, status
+    found = children(node, run)
+    assert found["deployment"] == [f"{run}-server"], found
+    assert found["job"] == [f"{run}-trainer-1"], found
+    assert found["service"] == [f"{run}-server"], found
+    assert_each_step_once(volume, run, STEPS)
+
+
+def test_deleting_a_run_mid_training_removes_every_child_within_a_minute(
+        node: Node, staged: str, volume: VolumeReader) -> None:
+    run = "fault-delete"
+    node.apply(example_run(node, run, maxSteps=STEPS))
+    wait_step(node, run, 2, RUN_TIMEOUT_S)
+    assert children(node, run)["deployment"], "nothing to delete"
+    started = time.monotonic()
+    node.kubectl("delete", "grporun", "-n", NAMESPACE, run, "--wait=false")
+
+    wait_for(lambda: node.get("grporun", run) is None, 60, "the run's finalizer to be released", interval=1)
+
+    def all_gone() -> bool:
+        return not any(children(node, run).values())
+
+    wait_for(all_gone, max(1.0, 60 - (time.monotonic() - started)), f"every child of {run} to be deleted",
+             interval=1)
