@@ -9,7 +9,8 @@
 #   hack/cluster.sh volumes       # (re)make the pool of hostPath PersistentVolumes; Released ones are wiped
 #   hack/cluster.sh env           # print `export KUBECONFIG=...` and the tool paths
 #   hack/cluster.sh down          # stop everything and undo what `up` changed on the machine
-#   hack/cluster.sh down --purge  # ... and delete the cluster's state (etcd data, images, volumes)
+#   hack/cluster.sh down --purge  # ... and delete the cluster's state (etcd, certificates, volumes), keeping
+#                                 # the imported images; --purge-all deletes those too
 #
 # Kubernetes, etcd and CoreDNS binaries come from hack/build-testbin.sh (Go module proxy, cached under
 # ~/.cache); containerd, runc, the CNI plugins and iptables from Debian (apt-get, once). Everything the
@@ -405,10 +406,13 @@ down() {
     rm -f "$RUN/sysctl.saved"
   fi
   rm -f "$RUN/netns.before"
-  if [ "${1:-}" = --purge ]; then
-    rm -rf "$STATE" "$RUN"
-    say "state purged"
-  fi
+  case ${1:-} in
+    --purge)   # the cluster's state goes; the image store (a cache, keyed by content) stays
+      find "$STATE" -mindepth 1 -maxdepth 1 ! -name containerd -exec rm -rf {} +
+      rm -rf "$RUN"
+      say "state purged (images kept)" ;;
+    --purge-all) rm -rf "$STATE" "$RUN"; say "state and images purged" ;;
+  esac
   say "down"
 }
 testbin_quiet() { BIN=${GRPO_TESTBIN_DIR:-$(ls -d "$HOME"/.cache/grpo-testbin/k8s-* 2>/dev/null | head -1)}; }
@@ -426,5 +430,5 @@ case ${1:-} in
   volumes) testbin_quiet; volumes ;;
   env) env_ ;;
   down) shift; down "${1:-}" ;;
-  *) sed -n '2,23p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,/^set -euo/p' "$0" | sed '$d' >&2; exit 2 ;;
 esac

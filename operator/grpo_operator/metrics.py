@@ -8,13 +8,16 @@ PodMonitors give the run's server and trainer series, so operator and run series
 The operator's own scrape target also has a `namespace` (the operator's): scrape it with
 `honor_labels: true` (the chart's ServiceMonitor does) so the run's namespace wins. A run's
 series go when the run is deleted.
+
+Counters with a fixed set of label values start at 0 for every value, so that a healthy operator's
+dashboards show zero failures rather than no data, and `increase()` sees the first failure.
 """
 
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from grpo_api.models import Phase
+from grpo_api.models import Phase, Reason
 
 RUNS = Gauge("grpo_operator_runs", "GRPORuns this operator reconciles, by phase.", ["phase"])
 RECONCILE_DURATION = Histogram(
@@ -24,6 +27,18 @@ RECONCILE_DURATION = Histogram(
 )
 RECONCILE_ERRORS = Counter(
     "grpo_operator_reconcile_errors", "Reconciles that failed, by kind of error.", ["error"]
+)
+#: Kinds of reconcile error known in advance (API answers add api_<status>).
+RECONCILE_ERROR_KINDS = ("api_unreachable",)
+#: Warning reasons that count as a failed attempt or run.
+FAILURE_REASONS = frozenset(
+    {
+        Reason.TRAINER_FAILED,
+        Reason.SERVER_NOT_READY,
+        Reason.BACKOFF_LIMIT_EXCEEDED,
+        Reason.DEADLINE_EXCEEDED,
+        Reason.INVALID_SPEC,
+    }
 )
 SERVER_READY_LATENCY = Histogram(
     "grpo_operator_server_ready_latency_seconds",
@@ -40,6 +55,10 @@ API_REQUESTS = Counter(
 LAST_RECONCILE = Gauge(
     "grpo_operator_last_reconcile_timestamp_seconds", "Unix time the latest reconcile of any run finished."
 )
+for _kind in RECONCILE_ERROR_KINDS:
+    RECONCILE_ERRORS.labels(error=_kind)
+for _reason in sorted(FAILURE_REASONS):
+    FAILURES.labels(reason=_reason)
 RUN_LABELS = ("namespace", "grporun")
 RUN_PHASE = Gauge(
     "grpo_operator_run_phase",
@@ -86,6 +105,8 @@ def set_run(namespace: str, run: str, phase: str, attempt: int) -> None:
             RUN_PHASE.remove(namespace, run, other.value)
     RUN_PHASE.labels(namespace=namespace, grporun=run, phase=phase).set(1)
     RUN_ATTEMPT.labels(namespace=namespace, grporun=run).set(attempt)
+    for reason in FAILURE_REASONS:
+        RUN_FAILURES.labels(namespace=namespace, grporun=run, reason=reason)
 
 
 def count_run_failure(namespace: str, run: str, reason: str) -> None:

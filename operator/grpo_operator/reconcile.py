@@ -41,7 +41,7 @@ from grpo_api.lifecycle import (
     reject,
     wants_health,
 )
-from grpo_api.models import GRPORun, GRPORunStatus, Mode, Phase, Reason
+from grpo_api.models import GRPORun, GRPORunStatus, Mode, Phase
 from grpo_api.runconfig import format_validation_error
 from grpo_operator import builders, metrics
 from grpo_operator.children import Children, job_info
@@ -50,15 +50,6 @@ from grpo_operator.kube import KubeClient
 
 log = logging.getLogger("grpo_operator")
 
-FAILURE_REASONS = frozenset(
-    {
-        Reason.TRAINER_FAILED,
-        Reason.SERVER_NOT_READY,
-        Reason.BACKOFF_LIMIT_EXCEEDED,
-        Reason.DEADLINE_EXCEEDED,
-        Reason.INVALID_SPEC,
-    }
-)
 MIN_REQUEUE_SECONDS = 0.2
 
 
@@ -358,7 +349,7 @@ def _record(
 
 def _count_failures(namespace: str, name: str, decision: Decision) -> None:
     for emit in decision.of_type(Emit):
-        if emit.type == "Warning" and emit.reason in FAILURE_REASONS:
+        if emit.type == "Warning" and emit.reason in metrics.FAILURE_REASONS:
             metrics.count_run_failure(namespace, name, emit.reason)
 
 

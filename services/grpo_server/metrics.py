@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
 
+from grpo_api.protocol import ADAPTER_REFUSALS
+
 # `*_created` series double the exposition and no dashboard reads them.
 disable_created_metrics()
 
@@ -32,6 +34,9 @@ ADAPTER_LOADS = Counter("grpo_server_adapter_loads", "Adapter versions loaded an
 ADAPTER_LOAD_FAILURES = Counter(
     "grpo_server_adapter_load_failures", "Refused or failed adapter loads by reason.", ["reason"]
 )
+# Every reason starts at 0: dashboards show "no failures" rather than no data, and increase() sees the first.
+for _reason in ADAPTER_REFUSALS:
+    ADAPTER_LOAD_FAILURES.labels(_reason)
 ADAPTER_LOAD_DURATION = Histogram(
     "grpo_server_adapter_load_duration_seconds",
     "Time from trigger to active adapter (validation + engine load).",

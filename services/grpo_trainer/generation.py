@@ -27,7 +27,7 @@ from typing import Any
 
 from grpo_trainer.client import Completions, ServerClient
 from grpo_trainer.errors import TrainingFailed
-from grpo_trainer.metrics import TrainerMetrics
+from grpo_trainer.metrics import DiscardReason, TrainerMetrics
 from grpo_trainer.publish import AdapterStore
 from grpo_trainer.sync import AdapterSync
 
@@ -195,7 +195,7 @@ class GenerationBackend:
             return self.prefetcher.take(prompt_ids).result()
         return self._request(prompt_ids, next(self._request_ids))
 
-    def verdict(self, result: Completions) -> str | None:
+    def verdict(self, result: Completions) -> DiscardReason | None:
         """Why this answer must not reach the loss, or None if it may."""
         if self.sync.boot_id is not None and result.boot_id != self.sync.boot_id:
             return "server_restarted"

@@ -9,9 +9,11 @@ suffix they are exposed with; histograms by their base name (the series are
 from __future__ import annotations
 
 import os
+from typing import Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from grpo_api.protocol import ADAPTER_REFUSALS
 from grpo_trainer.errors import TrainingFailed
 
 #: Overrides spec.trainer.metricsPort; "0" disables the endpoint (tests run several trainers at once).
@@ -74,6 +76,11 @@ _TRL_LOG_GAUGES: dict[str, tuple[str, str | None]] = {
     "sampling/sampling_logp_difference/max": ("sampling_logp_difference", "max"),
 }
 
+#: Why a generated batch may be thrown away (GenerationClient.verdict).
+DiscardReason = Literal["server_restarted", "unknown_adapter", "stale_adapter"]
+DISCARD_REASONS: tuple[str, ...] = get_args(DiscardReason)
+#: Why an adapter sync attempt may fail: the server's refusals, or no confirmation, or no answer.
+SYNC_FAILURE_REASONS = (*ADAPTER_REFUSALS, "unconfirmed", "unreachable")
 _SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _STEP_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
 
@@ -140,6 +147,9 @@ class TrainerMetrics:
             ["reason"],
             registry=r,
         )
+        # Reasons known in advance start at 0, so dashboards show zero rather than no data.
+        for reason in DISCARD_REASONS:
+            self.discarded_batches.labels(reason)
         self.server_restarts = Counter(
             "grpo_trainer_server_restarts", "New server boot ids seen during training.", registry=r
         )
@@ -177,6 +187,8 @@ class TrainerMetrics:
         self.sync_failures = Counter(
             "grpo_trainer_sync_failures", "Failed adapter load triggers.", ["reason"], registry=r
         )
+        for reason in SYNC_FAILURE_REASONS:
+            self.sync_failures.labels(reason)
         self.adapter_version = Gauge(
             "grpo_trainer_adapter_version", "Latest adapter version active on the server.", registry=r
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -107,8 +108,8 @@ def node() -> Iterator[Node]:
     try:
         yield node
     finally:
-        if os.environ.get("GRPO_E2E_KEEP") != "1":
-            _run(["bash", "hack/cluster.sh", "down"], 300, env=env, check=False)
+        if os.environ.get("GRPO_E2E_KEEP") != "1":   # the next session starts from an empty etcd
+            _run(["bash", "hack/cluster.sh", "down", "--purge"], 300, env=env, check=False)
 
 
 def _clean_slate(node: Node, env: dict[str, str]) -> None:
@@ -296,3 +297,104 @@ class LogFollower:
                 proc.kill()
                 out.append(proc.communicate()[0])
         return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------ Prometheus
+
+
+def _scrape_job(job: str, namespace: str, selector: dict[str, str], port: str) -> dict[str, Any]:
+    """What the chart's PodMonitor/ServiceMonitor ask of prometheus-operator, as a plain scrape config:
+    pods found through the Kubernetes API, `job` fixed, the run's name as `grporun`, the pod's
+    namespace as `namespace` unless the series carries its own (honorLabels, as the chart sets)."""
+    keep = [{"action": "keep", "source_labels": [f"__meta_kubernetes_pod_label_{re.sub(r'[^A-Za-z0-9]', '_', k)}"],
+             "regex": v} for k, v in selector.items()]
+    return {
+        "job_name": job,
+        "honor_labels": True,
+        "kubernetes_sd_configs": [{"role": "pod", "kubeconfig_file": "KUBECONFIG",
+                                   "namespaces": {"names": [namespace]}}],
+        "relabel_configs": [
+            *keep,
+            {"action": "keep", "source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": port},
+            {"action": "replace", "source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+            {"action": "replace", "source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
+            {"action": "replace", "source_labels": ["__meta_kubernetes_pod_label_grpo_dev_run"],
+             "target_label": "grporun"},
+        ],
+    }
+
+
+class Prometheus:
+    """A real Prometheus server (built from the Go module proxy) scraping the node's pods through
+    Kubernetes service discovery, with the chart's alert rules loaded."""
+
+    def __init__(self, url: str, proc: subprocess.Popen[bytes]) -> None:
+        self.url, self.proc = url, proc
+        self.windows: dict[str, tuple[float, float]] = {}
+
+    def api(self, path: str, **params: Any) -> Any:
+        import httpx
+
+        response = httpx.get(f"{self.url}/api/v1/{path}", params=params, timeout=30)
+        body = response.json()
+        assert body.get("status") == "success", f"{path} {params}: {body}"
+        return body["data"]
+
+    def query_range(self, expr: str, start: float, end: float, step: float = 2.0) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self.api("query_range", query=expr, start=start, end=end, step=step)["result"]
+        return result
+
+
+@pytest.fixture(scope="session")
+def prometheus(node: Node, operator_release: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
+    work = tmp_path_factory.mktemp("prometheus")
+    rendered = node.helm("template", RELEASE, str(REPO / "charts" / "grpo-operator"), "-n", RELEASE_NAMESPACE,
+                         "--set", "prometheusRule.enabled=true").stdout
+    (rule,) = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "PrometheusRule"]
+    (work / "rules.yaml").write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}, sort_keys=False))
+    managed = {"app.kubernetes.io/managed-by": "grpo-operator"}
+    jobs = [
+        _scrape_job("grpo-operator", RELEASE_NAMESPACE, {"app.kubernetes.io/name": "grpo-operator"}, "metrics"),
+        _scrape_job("grpo-server", NAMESPACE, {**managed, "grpo.dev/component": "server"}, "http"),
+        _scrape_job("grpo-trainer", NAMESPACE, {**managed, "grpo.dev/component": "trainer"}, "metrics"),
+    ]
+    for job in jobs:
+        job["kubernetes_sd_configs"][0]["kubeconfig_file"] = str(node.kubeconfig)
+    config = {"global": {"scrape_interval": "2s", "scrape_timeout": "2s", "evaluation_interval": "2s"},
+              "rule_files": [str(work / "rules.yaml")], "scrape_configs": jobs}
+    (work / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
+    port = _free_port()
+    log = (work / "prometheus.log").open("wb")
+    proc = subprocess.Popen([str(node.bin_dir / "prometheus"), f"--config.file={work / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    server = Prometheus(f"http://127.0.0.1:{port}", proc)
+    try:
+        import httpx
+
+        def ready() -> bool:
+            assert proc.poll() is None, (work / "prometheus.log").read_text()[-3000:]
+            try:
+                return httpx.get(f"{server.url}/-/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(ready, 60, "Prometheus to be ready", interval=0.5)
+        # Monitoring in a steady state before any run: the operator found and scraped, its rules evaluated
+        # (until then `absent(up{job="grpo-operator"})` holds, as it does for any Prometheus just started).
+        wait_for(lambda: server.api("query", query='up{job="grpo-operator"} == 1')["result"], 60,
+                 "Prometheus to scrape the operator", interval=1)
+        time.sleep(5)
+        yield server
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port

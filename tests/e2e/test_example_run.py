@@ -8,11 +8,13 @@ DNS from the trainer to the server, the operator's in-cluster credentials and RB
 from __future__ import annotations
 
 import re
+import time
 
 from tests.e2e.conftest import (
     NAMESPACE,
     LogFollower,
     Node,
+    Prometheus,
     VolumeReader,
     describe,
     example_run,
@@ -25,7 +27,9 @@ MAX_STEPS = 30
 RUN_TIMEOUT_S = 20 * 60
 
 
-def test_example_run_trains_to_succeeded_on_the_node(node: Node, staged: str, volume: VolumeReader) -> None:
+def test_example_run_trains_to_succeeded_on_the_node(node: Node, staged: str, volume: VolumeReader,
+                                                   prometheus: Prometheus) -> None:
+    started = time.time()
     node.apply(example_run(node, RUN))
     server_logs, trainer_logs = LogFollower(node, RUN, "server"), LogFollower(node, RUN, "trainer")
 
@@ -38,6 +42,7 @@ def test_example_run_trains_to_succeeded_on_the_node(node: Node, staged: str, vo
         return status if status.get("phase") == "Succeeded" else None
 
     status = wait_for(succeeded, RUN_TIMEOUT_S, f"{RUN} to succeed")
+    prometheus.windows[RUN] = (started, time.time())   # test_observability reads this healthy run's series
 
     # status as the operator wrote it
     conditions = {c["type"]: c for c in status["conditions"]}
