@@ -18,13 +18,15 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from tests.fixtures.controlplane import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 NAMESPACE = "grpo-e2e"
@@ -170,17 +172,6 @@ def example_run(node: Node, name: str, **trainer: Any) -> dict[str, Any]:
     return run
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 2.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
-
-
 def run_status(node: Node, name: str) -> dict[str, Any]:
     run = node.get("grporun", name)
     assert run is not None, f"GRPORun {name} is gone"
@@ -198,7 +189,7 @@ def wait_phase(node: Node, name: str, phase: str, timeout: float) -> dict[str, A
                         f"{describe(node, name)}")
         return status if status.get("phase") == phase else None
 
-    result: dict[str, Any] = wait_for(reached, timeout, f"run {name} to reach {phase}")
+    result: dict[str, Any] = wait_for(reached, timeout, what=f"run {name} to reach {phase}", interval=2.0)
     return result
 
 
@@ -209,7 +200,7 @@ def wait_step(node: Node, name: str, step: int, timeout: float) -> dict[str, Any
             pytest.fail(f"run {name} ended ({status.get('phase')}) before step {step}: {status.get('message')}")
         return status if (status.get("progress") or {}).get("step", 0) >= step else None
 
-    result: dict[str, Any] = wait_for(reached, timeout, f"run {name} to pass step {step}", interval=1.0)
+    result: dict[str, Any] = wait_for(reached, timeout, what=f"run {name} to pass step {step}", interval=1.0)
     return result
 
 
@@ -379,11 +370,11 @@ def prometheus(node: Node, operator_release: str, tmp_path_factory: pytest.TempP
             except httpx.HTTPError:
                 return False
 
-        wait_for(ready, 60, "Prometheus to be ready", interval=0.5)
+        wait_for(ready, 60, what="Prometheus to be ready", interval=0.5)
         # Monitoring in a steady state before any run: the operator found and scraped, its rules evaluated
         # (until then `absent(up{job="grpo-operator"})` holds, as it does for any Prometheus just started).
         wait_for(lambda: server.api("query", query='up{job="grpo-operator"} == 1')["result"], 60,
-                 "Prometheus to scrape the operator", interval=1)
+                 what="Prometheus to scrape the operator", interval=1)
         time.sleep(5)
         yield server
     finally:

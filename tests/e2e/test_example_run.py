@@ -41,7 +41,7 @@ def test_example_run_trains_to_succeeded_on_the_node(node: Node, staged: str, vo
             raise AssertionError(f"run failed: {status.get('reason')}: {status.get('message')}\n{describe(node, RUN)}")
         return status if status.get("phase") == "Succeeded" else None
 
-    status = wait_for(succeeded, RUN_TIMEOUT_S, f"{RUN} to succeed")
+    status = wait_for(succeeded, RUN_TIMEOUT_S, what=f"{RUN} to succeed", interval=2.0)
     prometheus.windows[RUN] = (started, time.time())   # test_observability reads this healthy run's series
 
     # status as the operator wrote it

@@ -109,7 +109,7 @@ def test_operator_pod_deleted_mid_run_comes_back_without_duplicate_children(
                 if p["metadata"]["name"] != old["metadata"]["name"]]
         return any(c.get("ready") for p in pods for c in (p.get("status") or {}).get("containerStatuses") or [])
 
-    wait_for(new_operator_ready, 180, "the operator Deployment to bring a new pod up")
+    wait_for(new_operator_ready, 180, what="the operator Deployment to bring a new pod up", interval=2.0)
     status = wait_phase(node, run, "Succeeded", RUN_TIMEOUT_S)
     assert status["attempt"] == 1, status
     found = children(node, run)
@@ -128,10 +128,10 @@ def test_deleting_a_run_mid_training_removes_every_child_within_a_minute(
     started = time.monotonic()
     node.kubectl("delete", "grporun", "-n", NAMESPACE, run, "--wait=false")
 
-    wait_for(lambda: node.get("grporun", run) is None, 60, "the run's finalizer to be released", interval=1)
+    wait_for(lambda: node.get("grporun", run) is None, 60, what="the run's finalizer to be released", interval=1)
 
     def all_gone() -> bool:
         return not any(children(node, run).values())
 
-    wait_for(all_gone, max(1.0, 60 - (time.monotonic() - started)), f"every child of {run} to be deleted",
+    wait_for(all_gone, max(1.0, 60 - (time.monotonic() - started)), what=f"every child of {run} to be deleted",
              interval=1)

@@ -14,14 +14,15 @@ def test_helm_uninstall_keeps_the_crd_and_the_runs(node: Node, staged: str) -> N
     run = example_run(node, kept, maxSteps=STEPS)
     run["spec"]["runPolicy"]["suspend"] = True   # nothing to train: only the object matters here
     node.apply(run)
-    wait_for(lambda: run_status(node, kept).get("phase") == "Suspended", 120, "the run to be suspended")
+    wait_for(lambda: run_status(node, kept).get("phase") == "Suspended", 120, what="the run to be suspended",
+             interval=2)
     node.helm("uninstall", RELEASE, "-n", RELEASE_NAMESPACE, "--wait", "--timeout", "120s")
 
     assert node.get("crd", "grporuns.grpo.dev", None) is not None, "helm uninstall deleted the CRD"
     remaining = node.get("grporun", kept)
     assert remaining is not None and remaining["status"]["phase"] == "Suspended", remaining
     wait_for(lambda: not node.list("pod", "app.kubernetes.io/name=grpo-operator", RELEASE_NAMESPACE), 120,
-             "the operator pod to go")
+             what="the operator pod to go", interval=2)
 
     # As the README says for runs left behind by an uninstalled operator: remove the finalizer by hand.
     node.kubectl("patch", "grporun", kept, "-n", NAMESPACE, "--type=merge", "-p", '{"metadata": {"finalizers": null}}')
