@@ -358,6 +358,7 @@ import_images() {  # import_images [NAME-PREFIX] : archives from hack/images.sh,
 
 # ------------------------------------------------------------------------------------------------- down
 down() {
+  set +e +o pipefail   # cleanup goes on past whatever is already gone
   testbin_quiet
   for n in coredns kube-proxy kubelet; do stop_process $n; done   # nothing may restart pods while they go
   if containerd_up; then
