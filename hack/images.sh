@@ -36,7 +36,7 @@ project_hash() {
 }
 
 base_key() { printf '%s %s %s\n' "$SUITE" "$BASE_PACKAGES" "$(sed -n '/^build_base()/,/^}/p' "$0")" | sha; }
-pause_key() { sha256sum "$REPO/hack/node/pause.go" | sha; }
+pause_key() { sha < "$REPO/hack/node/pause.go"; }
 image_key() {  # image_key DOCKERFILE BUILD_ARGS...
   local dockerfile=$1; shift
   { cat "$REPO/$dockerfile"; printf '%s\n' "$@"; base_key; project_hash; } | sha
