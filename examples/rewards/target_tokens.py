@@ -1,7 +1,8 @@
 """A user reward function for examples/cpu-run.yaml, in TRL's reward contract.
 
-`grpo stage` copies this file onto the run's volume beside the dataset; the trainer imports user
-modules from the dataset's directory and the volume root, so the spec names it `target_tokens:share`.
+`grpo stage --configmap tiny-rewards` puts this file into a ConfigMap that the run names as its
+`rewardCode` source; the trainer imports its modules from that read-only mount, so the spec names it
+`target_tokens:share`.
 It rewards the share of completion tokens whose id falls in [low, high), a set of 1/8 of the tiny
 test model's vocabulary (what `grpo make-model --preset tiny` makes): about 0.125 at the start of a run,
 and it rises as the policy learns.

@@ -33,17 +33,28 @@ def _raise_stop(signum: int, _frame: FrameType | None) -> None:
 
 
 def check_paths(run: LocalRun) -> None:
-    """Refuse, before anything starts, a model or dataset path that does not exist (naming the field)."""
-    cfg = run.config
+    """Refuse, before anything starts, a model or dataset path that does not exist and settings only a
+    cluster can honour (naming the field). hf:// sources are fetched by the initializer process."""
+    try:
+        cfg = run.config
+    except RunConfigError as exc:
+        raise click.ClickException(f"{run.run_file}: {exc}") from exc
     spec = run.run.spec
-    if spec.model.path is not None and not (cfg.resolve(spec.model.path) / "config.json").is_file():
-        raise click.ClickException(
-            f"{run.run_file}: spec.model.path: {cfg.resolve(spec.model.path)} is not a model directory "
-            "(no config.json)"
-        )
-    if not cfg.resolve(spec.dataset.path).exists():
-        dataset = cfg.resolve(spec.dataset.path)
-        raise click.ClickException(f"{run.run_file}: spec.dataset.path: {dataset} not found")
+    for section, env in (("server", spec.effective_server.env), ("trainer", spec.trainer.env)):
+        for index, var in enumerate(env):
+            if var.value_from is not None:
+                raise click.ClickException(
+                    f"{run.run_file}: spec.{section}.env[{index}] ({var.name}) reads valueFrom, which only a "
+                    "cluster resolves: give a value, or export it before `grpo run` and leave it out"
+                )
+    if spec.model.source is None and spec.model.path is not None:
+        model = cfg.resolve(spec.model.path)
+        if not (model / "config.json").is_file():
+            raise click.ClickException(
+                f"{run.run_file}: spec.model.path: {model} is not a model directory (no config.json)"
+            )
+    if spec.dataset.source is None and not cfg.dataset_path().exists():
+        raise click.ClickException(f"{run.run_file}: spec.dataset.path: {cfg.dataset_path()} not found")
 
 
 @click.command()

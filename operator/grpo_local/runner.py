@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from grpo_api.lifecycle import (
     Action,
+    CreateInitializer,
     CreateTrainer,
     DeleteRun,
     DeleteServer,
@@ -42,6 +43,7 @@ from grpo_api.lifecycle import (
     wants_health,
 )
 from grpo_api.models import TERMINAL_PHASES, EnvVar, GRPORun, GRPORunStatus, Phase
+from grpo_api.prepare_protocol import latest_progress
 from grpo_api.protocol import (
     ENV_ATTEMPT,
     ENV_RUN_CONFIG,
@@ -85,6 +87,7 @@ class LocalRun:
     status: GRPORunStatus = field(default_factory=GRPORunStatus)
     servers: dict[int, Child] = field(default_factory=dict)
     trainers: dict[int, Child] = field(default_factory=dict)
+    initializer: Child | None = None
     events: list[RunEvent] = field(default_factory=list)
     samples: list[TrainingProgress] = field(default_factory=list)
     started_monotonic: float = field(default_factory=time.monotonic)
@@ -132,6 +135,7 @@ class LocalRun:
         older = sum(1 for a, c in self.servers.items() if a < attempt and c.group_alive())
         health = self.check_health() if wants_health(self.run.spec, self.status) else None
         trainer, message = self.trainer_state(attempt)
+        initializer, init_message = self.child_state(self.initializer)
         progress = self.read_progress()
         if progress is not None and (not self.samples or self.samples[-1].step != progress.step):
             self.samples.append(progress)
@@ -143,7 +147,17 @@ class LocalRun:
             trainer_message=message,
             progress=progress,
             server_url=self.config.server_url,
+            initializer=initializer,
+            initializer_message=init_message,
+            initializer_progress=self.initializer_progress(),
         )
+
+    def initializer_progress(self) -> str | None:
+        if self.initializer is None or not self.initializer.log_path.is_file():
+            return None
+        with self.initializer.log_path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 16384))
+            return latest_progress(f.read().decode("utf-8", errors="replace"))
 
     def check_health(self) -> HealthCheck:
         server = self.servers.get(self.status.attempt)
@@ -162,7 +176,9 @@ class LocalRun:
         return HealthCheck(reachable=True, status_code=response.status_code, body=body)
 
     def trainer_state(self, attempt: int) -> tuple[TrainerState, str]:
-        child = self.trainers.get(attempt)
+        return self.child_state(self.trainers.get(attempt))
+
+    def child_state(self, child: Child | None) -> tuple[TrainerState, str]:
         if child is None:
             return TrainerState.ABSENT, ""
         code = child.poll()
@@ -188,6 +204,8 @@ class LocalRun:
             self.ensure_server(action.attempt, action.replicas)
         elif isinstance(action, (StopServer, DeleteServer)):
             self.stop_servers()
+        elif isinstance(action, CreateInitializer):
+            self.create_initializer()
         elif isinstance(action, CreateTrainer):
             self.create_trainer(action.attempt)
         elif isinstance(action, DeleteTrainer):
@@ -225,7 +243,7 @@ class LocalRun:
             "TOKENIZERS_PARALLELISM": "false",
             "PYTHONUNBUFFERED": "1",
         }
-        return {**ours, **{e.name: e.value for e in extra}}
+        return {**ours, **{e.name: e.literal for e in extra if e.value_from is None}}
 
     def ensure_server(self, attempt: int, replicas: int) -> None:
         for other, child in self.servers.items():
@@ -249,6 +267,24 @@ class LocalRun:
             if child.group_alive():
                 child.stop()
 
+    def create_initializer(self) -> None:
+        """`grpo prepare` as a process: fetches hf:// sources into the run directory (the hub is reached
+        here, unlike in the server and trainer), writes inline reward modules, checks everything loads."""
+        if self.initializer is not None:
+            return
+        env = self.child_env(0, self.run.spec.trainer.env)
+        if "HF_HUB_OFFLINE" not in os.environ:
+            env.pop("HF_HUB_OFFLINE", None)
+        child = Child(
+            role="initializer",
+            attempt=0,
+            argv=[self.python, "-m", "grpo_cli.main", "prepare", "--config", str(self.config_file)],
+            log_path=self.logs_dir / "initializer.log",
+            env=env,
+        )
+        child.start()
+        self.initializer = child
+
     def create_trainer(self, attempt: int) -> None:
         if attempt in self.trainers:
             return
@@ -264,7 +300,8 @@ class LocalRun:
 
     def shutdown(self) -> None:
         """End every child: trainers first (they talk to the server), then servers."""
-        for child in [*self.trainers.values(), *self.servers.values()]:
+        initializer = [self.initializer] if self.initializer is not None else []
+        for child in [*initializer, *self.trainers.values(), *self.servers.values()]:
             if child.group_alive():
                 child.stop()
 
@@ -274,7 +311,8 @@ class LocalRun:
         _write_json(self.run_dir / "status.json", record)
         children = [
             {"role": c.role, "attempt": c.attempt, "pid": c.pid, "log": str(c.log_path), "exitCode": c.poll()}
-            for c in [*self.servers.values(), *self.trainers.values()]
+            for c in [*([self.initializer] if self.initializer else []), *self.servers.values(),
+                      *self.trainers.values()]
         ]
         _write_json(self.run_dir / "processes.json", {"port": self.port, "children": children})
 

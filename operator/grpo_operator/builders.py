@@ -13,9 +13,22 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo_api.models import API_VERSION, KIND, GRPORun, Mode, Resources, ServerSpec
+from grpo_api.models import (
+    API_VERSION,
+    DEFAULT_SERVER_IMAGE,
+    DEFAULT_TRAINER_IMAGE,
+    KIND,
+    EnvVar,
+    GRPORun,
+    Mode,
+    Resources,
+    ServerSpec,
+    TrainerSpec,
+)
+from grpo_api.prepare_protocol import EXIT_PERMANENT
 from grpo_api.protocol import ENV_ATTEMPT, ENV_RUN_CONFIG, ENV_SERVER_URL, ENV_TOKEN_FILE
 from grpo_api.runconfig import RUN_CONFIG_FILE, run_config_for
+from grpo_api.sources import ClusterLayout, SourceVolume, cluster_layout, hub_tokens
 
 LABEL_PREFIX = "grpo.dev"
 RUN_LABEL = f"{LABEL_PREFIX}/run"
@@ -29,6 +42,8 @@ MANAGED_BY = "grpo-operator"
 
 SERVER = "server"
 TRAINER = "trainer"
+INITIALIZER = "initializer"
+REWARDS = "rewards"
 CONFIG = "config"
 STORAGE = "storage"
 TOKEN = "token"
@@ -69,6 +84,15 @@ class ChildNames:
         return f"{self.run}-token"
 
     @property
+    def rewards(self) -> str:
+        """The ConfigMap of spec.rewardCode.inline."""
+        return f"{self.run}-rewards"
+
+    @property
+    def initializer(self) -> str:
+        return f"{self.run}-init"
+
+    @property
     def server(self) -> str:
         """The server's Deployment and Service."""
         return f"{self.run}-server"
@@ -100,6 +124,49 @@ def check_run(run: GRPORun) -> None:
 def volume_claim_name(run: GRPORun) -> str:
     """The shared volume's claim: the named existing one, or the run's own."""
     return run.spec.storage.existing_claim or child_names(run).data
+
+
+@dataclass(frozen=True)
+class Images:
+    """The images a run gets when its spec names none (the operator's flags; the chart's values)."""
+
+    server: str = DEFAULT_SERVER_IMAGE
+    trainer: str = DEFAULT_TRAINER_IMAGE
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What the operator learnt about the run's claims before building its pods."""
+
+    #: Server and trainer must share a node: a claim both mount can be attached to one node only.
+    same_node: bool = False
+
+
+def source_layout(run: GRPORun) -> ClusterLayout:
+    """The source volumes of the run's pods and where its model, dataset and reward modules land."""
+    return cluster_layout(
+        run.spec, data_claim=volume_claim_name(run), inline_rewards_configmap=child_names(run).rewards
+    )
+
+
+def claims_of(run: GRPORun) -> tuple[str, ...]:
+    """Every claim the run's pods mount: its volume's and those of its pvc:// sources."""
+    cache = run.spec.storage.model_cache
+    extra = (cache.existing_claim,) if cache is not None else ()
+    return (volume_claim_name(run), *source_layout(run).claims, *extra)
+
+
+def needs_same_node(access_modes: dict[str, list[str] | None], data_claim: str) -> bool:
+    """Whether server and trainer must share a node, from each claim's access modes (None: unknown).
+
+    The run's volume is written by both pods: it needs ReadWriteMany to span nodes. Source claims
+    are mounted read-only: ReadOnlyMany is enough. An unknown claim is taken to need it.
+    """
+    for claim, modes in access_modes.items():
+        spanning = {"ReadWriteMany"} if claim == data_claim else {"ReadWriteMany", "ReadOnlyMany"}
+        if modes is None or not spanning & set(modes):
+            return True
+    return False
 
 
 def server_url(run: GRPORun) -> str:
@@ -166,12 +233,26 @@ def build_config_map(run: GRPORun) -> dict[str, Any]:
         server_url=server_url(run) if in_server_mode else "",
         token_file=TOKEN_PATH if in_server_mode else None,
         base_dir="/",
+        sources=source_layout(run).sources,
     )
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(run, child_names(run).config, CONFIG),
         "data": {RUN_CONFIG_FILE: config.to_yaml()},
+    }
+
+
+def build_rewards_config_map(run: GRPORun) -> dict[str, Any] | None:
+    """The modules of spec.rewardCode.inline, mounted read-only where the trainer imports them."""
+    code = run.spec.reward_code
+    if code is None or not code.inline:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(run, child_names(run).rewards, REWARDS),
+        "data": dict(code.inline),
     }
 
 
@@ -311,14 +392,26 @@ def _resources(resources: Resources) -> dict[str, Any]:
     return out
 
 
-def _volumes(run: GRPORun, shm_size: str) -> list[dict[str, Any]]:
+def _source_volume(volume: SourceVolume) -> dict[str, Any]:
+    if volume.kind == "claim":
+        return {"name": volume.name, "persistentVolumeClaim": {"claimName": volume.ref, "readOnly": True}}
+    if volume.kind == "image":
+        # A Kubernetes image volume: the OCI image's file system, read-only (ImageVolume, 1.33+).
+        return {"name": volume.name, "image": {"reference": volume.ref}}
+    return {"name": volume.name, "configMap": {"name": volume.ref}}
+
+
+def _volumes(
+    run: GRPORun, extra: list[dict[str, Any]], *, shm_size: str | None, token: bool
+) -> list[dict[str, Any]]:
     names = child_names(run)
     volumes: list[dict[str, Any]] = [
         {"name": "run-config", "configMap": {"name": names.config}},
         {"name": "data", "persistentVolumeClaim": {"claimName": volume_claim_name(run)}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}},
     ]
-    if run.spec.mode == Mode.SERVER:
+    if shm_size is not None:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}})
+    if token:
         volumes.append({"name": "token", "secret": {"secretName": names.token, "defaultMode": 0o440}})
     cache = run.spec.storage.model_cache
     if cache is not None:
@@ -328,36 +421,60 @@ def _volumes(run: GRPORun, shm_size: str) -> list[dict[str, Any]]:
                 "persistentVolumeClaim": {"claimName": cache.existing_claim, "readOnly": True},
             }
         )
+    volumes.extend(_source_volume(v) for v in source_layout(run).volumes)
+    volumes.extend(extra)
     return volumes
 
 
-def _mounts(run: GRPORun) -> list[dict[str, Any]]:
+def _mounts(run: GRPORun, extra: list[dict[str, Any]], *, shm: bool, token: bool) -> list[dict[str, Any]]:
     mounts: list[dict[str, Any]] = [
         {"name": "run-config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "data", "mountPath": run.spec.storage.mount_path},
-        {"name": "dshm", "mountPath": "/dev/shm"},
     ]
-    if run.spec.mode == Mode.SERVER:
+    if shm:
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if token:
         mounts.append({"name": "token", "mountPath": TOKEN_DIR, "readOnly": True})
     cache = run.spec.storage.model_cache
     if cache is not None:
         mounts.append({"name": "model-cache", "mountPath": cache.mount_path, "readOnly": True})
+    mounts.extend(
+        {"name": v.name, "mountPath": v.mount_path, "readOnly": True} for v in source_layout(run).volumes
+    )
+    mounts.extend(extra)
     return mounts
 
 
-def _env(run: GRPORun, attempt: int, extra: list[tuple[str, str]]) -> list[dict[str, str]]:
-    env = [
+def _env_var(var: EnvVar) -> dict[str, Any]:
+    if var.value_from is not None:
+        return {"name": var.name, "valueFrom": var.value_from.to_wire()}
+    return {"name": var.name, "value": var.literal}
+
+
+def _env(
+    run: GRPORun, attempt: int, ours: list[tuple[str, str]], user: list[EnvVar], *, token: bool
+) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
         {"name": ENV_RUN_CONFIG, "value": RUN_CONFIG_PATH},
         {"name": ENV_ATTEMPT, "value": str(attempt)},
     ]
-    if run.spec.mode == Mode.SERVER:
+    if token:
         env.append({"name": ENV_TOKEN_FILE, "value": TOKEN_PATH})
     cache = run.spec.storage.model_cache
     if cache is not None:
         env.append({"name": "HF_HOME", "value": cache.mount_path})
+    env.extend({"name": name, "value": value} for name, value in ours)
     # User variables come last so they may override ours on purpose.
-    env.extend({"name": name, "value": value} for name, value in extra)
+    env.extend(_env_var(var) for var in user)
     return env
+
+
+def _extra_volumes(section: ServerSpec | TrainerSpec) -> list[dict[str, Any]]:
+    return [dict(v) for v in section.volumes]
+
+
+def _extra_mounts(section: ServerSpec | TrainerSpec) -> list[dict[str, Any]]:
+    return [m.to_wire() for m in section.volume_mounts]
 
 
 def _container_security() -> dict[str, Any]:
@@ -368,7 +485,13 @@ def _container_security() -> dict[str, Any]:
     }
 
 
-def _pod_spec(run: GRPORun, container: dict[str, Any], shm_size: str, restart_policy: str) -> dict[str, Any]:
+def _pod_spec(
+    run: GRPORun,
+    container: dict[str, Any],
+    volumes: list[dict[str, Any]],
+    restart_policy: str,
+    affinity: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     scheduling = run.spec.scheduling
     pod: dict[str, Any] = {
         "restartPolicy": restart_policy,
@@ -382,21 +505,66 @@ def _pod_spec(run: GRPORun, container: dict[str, Any], shm_size: str, restart_po
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
-        "volumes": _volumes(run, shm_size),
+        "volumes": volumes,
     }
     if scheduling.node_selector:
         pod["nodeSelector"] = dict(scheduling.node_selector)
     if scheduling.tolerations:
         pod["tolerations"] = [t.to_wire() for t in scheduling.tolerations]
-    if scheduling.affinity:
-        pod["affinity"] = scheduling.affinity
+    merged = _merge_affinity(scheduling.affinity, affinity or {})
+    if merged:
+        pod["affinity"] = merged
     if scheduling.priority_class_name:
         pod["priorityClassName"] = scheduling.priority_class_name
     if scheduling.runtime_class_name:
         pod["runtimeClassName"] = scheduling.runtime_class_name
     if scheduling.service_account_name:
         pod["serviceAccountName"] = scheduling.service_account_name
+    if scheduling.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": name} for name in scheduling.image_pull_secrets]
     return pod
+
+
+def _merge_affinity(user: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
+    """The user's affinity plus ours: our required pod-affinity terms are appended to theirs."""
+    merged = {k: (dict(v) if isinstance(v, dict) else v) for k, v in user.items()}
+    for kind, rules in ours.items():
+        target = merged.setdefault(kind, {})
+        if not isinstance(target, dict):
+            raise InvalidRunError(f"scheduling.affinity.{kind} must be an object")
+        for key, terms in rules.items():
+            existing = target.get(key, [])
+            if not isinstance(existing, list):
+                raise InvalidRunError(f"scheduling.affinity.{kind}.{key} must be a list")
+            target[key] = [*existing, *terms]
+    return merged
+
+
+def _same_node_as_server(run: GRPORun) -> dict[str, Any]:
+    """Required pod affinity to the run's server pod: a claim both mount attaches to one node only."""
+    return {
+        "podAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {"labelSelector": {"matchLabels": selector(run, SERVER)}, "topologyKey": "kubernetes.io/hostname"}
+            ]
+        }
+    }
+
+
+def _template_metadata(
+    run: GRPORun, component: str, section: ServerSpec | TrainerSpec, attempt: int | None
+) -> dict[str, Any]:
+    """The pod template's labels and annotations: the user's extras, ours on top."""
+    meta: dict[str, Any] = {
+        "labels": {**section.pod_labels, **labels(run, component)},
+        "annotations": dict(section.pod_annotations),
+    }
+    if attempt is not None:
+        meta["labels"][ATTEMPT_LABEL] = str(attempt)
+        meta["annotations"][ATTEMPT_ANNOTATION] = str(attempt)
+    if not meta["annotations"]:
+        del meta["annotations"]
+    return meta
 
 
 # ------------------------------------------------------------------------------------------ server
@@ -411,20 +579,23 @@ def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str,
     }
 
 
-def build_server_deployment(run: GRPORun, attempt: int, replicas: int) -> dict[str, Any]:
+def build_server_deployment(
+    run: GRPORun, attempt: int, replicas: int, images: Images | None = None
+) -> dict[str, Any]:
     """The server of one attempt: a single pod, replaced (Recreate) when the attempt changes."""
     server: ServerSpec = run.spec.effective_server
+    images = images or Images()
     startup_period = 10
     startup_failures = max(1, math.ceil(run.spec.run_policy.server_ready_timeout_seconds / startup_period))
     container = {
         "name": "server",
-        "image": server.image,
+        "image": server.image or images.server,
         "imagePullPolicy": server.image_pull_policy,
         "command": ["grpo", "serve", "--host", "0.0.0.0", "--port", str(server.port)],
         "ports": [{"name": "http", "containerPort": server.port, "protocol": "TCP"}],
-        "env": _env(run, attempt, [(e.name, e.value) for e in server.env]),
+        "env": _env(run, attempt, [], server.env, token=True),
         "resources": _resources(server.resources),
-        "volumeMounts": _mounts(run),
+        "volumeMounts": _mounts(run, _extra_mounts(server), shm=True, token=True),
         # The startup probe covers the model load (as long as the operator's own deadline);
         # readiness and liveness start after it, so they need no initial delay.
         "startupProbe": _probe(server.health_path, startup_period, startup_failures),
@@ -433,7 +604,7 @@ def build_server_deployment(run: GRPORun, attempt: int, replicas: int) -> dict[s
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),
     }
-    attempt_mark = {ATTEMPT_LABEL: str(attempt)}
+    volumes = _volumes(run, _extra_volumes(server), shm_size=server.shm_size, token=True)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -449,11 +620,8 @@ def build_server_deployment(run: GRPORun, attempt: int, replicas: int) -> dict[s
             "progressDeadlineSeconds": max(600, run.spec.run_policy.server_ready_timeout_seconds + 60),
             "selector": {"matchLabels": selector(run, SERVER)},
             "template": {
-                "metadata": {
-                    "labels": {**labels(run, SERVER), **attempt_mark},
-                    "annotations": {ATTEMPT_ANNOTATION: str(attempt)},
-                },
-                "spec": _pod_spec(run, container, server.shm_size, "Always"),
+                "metadata": _template_metadata(run, SERVER, server, attempt),
+                "spec": _pod_spec(run, container, volumes, "Always"),
             },
         },
     }
@@ -462,43 +630,109 @@ def build_server_deployment(run: GRPORun, attempt: int, replicas: int) -> dict[s
 # ----------------------------------------------------------------------------------------- trainer
 
 
-def build_trainer_job(run: GRPORun, attempt: int) -> dict[str, Any]:
+def build_trainer_job(
+    run: GRPORun, attempt: int, images: Images | None = None, placement: Placement | None = None
+) -> dict[str, Any]:
     """The trainer of one attempt. The Job never retries itself: a retry needs a fresh server first."""
     trainer = run.spec.trainer
-    extra = [(e.name, e.value) for e in trainer.env]
-    if run.spec.mode == Mode.SERVER:
-        extra.insert(0, (ENV_SERVER_URL, server_url(run)))
+    images = images or Images()
+    placement = placement or Placement()
+    server_mode = run.spec.mode == Mode.SERVER
+    ours = [(ENV_SERVER_URL, server_url(run))] if server_mode else []
     container = {
         "name": "trainer",
-        "image": trainer.image,
+        "image": trainer.image or images.trainer,
         "imagePullPolicy": trainer.image_pull_policy,
         "command": ["grpo", "train"],
         "ports": [{"name": "metrics", "containerPort": trainer.metrics_port, "protocol": "TCP"}],
-        "env": _env(run, attempt, extra),
+        "env": _env(run, attempt, ours, trainer.env, token=server_mode),
         "resources": _resources(trainer.resources),
-        "volumeMounts": _mounts(run),
+        "volumeMounts": _mounts(run, _extra_mounts(trainer), shm=True, token=server_mode),
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),
     }
-    attempt_mark = {ATTEMPT_LABEL: str(attempt)}
     # Colocate mode runs vLLM inside the trainer, so it gets the server's shared-memory size.
-    shm_size = run.spec.effective_server.shm_size
+    volumes = _volumes(run, _extra_volumes(trainer), shm_size=run.spec.effective_server.shm_size, token=server_mode)
+    affinity = _same_node_as_server(run) if server_mode and placement.same_node else None
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": _metadata(
-            run, child_names(run).trainer(attempt), TRAINER, attempt_mark, {ATTEMPT_ANNOTATION: str(attempt)}
+            run,
+            child_names(run).trainer(attempt),
+            TRAINER,
+            {ATTEMPT_LABEL: str(attempt)},
+            {ATTEMPT_ANNOTATION: str(attempt)},
         ),
         "spec": {
             "backoffLimit": 0,
             "completions": 1,
             "parallelism": 1,
             "template": {
-                "metadata": {
-                    "labels": {**labels(run, TRAINER), **attempt_mark},
-                    "annotations": {ATTEMPT_ANNOTATION: str(attempt)},
-                },
-                "spec": _pod_spec(run, container, shm_size, "Never"),
+                "metadata": _template_metadata(run, TRAINER, trainer, attempt),
+                "spec": _pod_spec(run, container, volumes, "Never", affinity),
             },
         },
+    }
+
+
+# ------------------------------------------------------------------------------------- initializer
+
+
+def build_initializer_job(run: GRPORun, images: Images | None = None) -> dict[str, Any]:
+    """The run's initializer: fetches its hf:// sources onto its volume and checks that the model, the
+    dataset and every reward function load, once per run, before any server.
+
+    A transient failure (network, hub) is retried by the Job (backoffLimit, its exponential delay) and
+    the fetch resumes; a permanent one (exit code 2: not found, a missing module) fails the Job at
+    once (podFailurePolicy). It runs in the trainer image with the trainer's env, volumes and pod
+    settings (a proxy or a CA bundle for a mirror applies to both), and reads hub tokens that only
+    it is given.
+    """
+    trainer = run.spec.trainer
+    init = run.spec.initializer
+    images = images or Images()
+    tokens = [
+        {"name": env, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+        for env, secret, key in hub_tokens(run.spec)
+    ]
+    env = _env(run, 0, [("HF_HUB_DISABLE_TELEMETRY", "1")], trainer.env, token=False)
+    container = {
+        "name": INITIALIZER,
+        "image": trainer.image or images.trainer,
+        "imagePullPolicy": trainer.image_pull_policy,
+        "command": ["grpo", "prepare"],
+        "env": [*env[:2], *tokens, *env[2:]],
+        "resources": _resources(init.resources),
+        "volumeMounts": _mounts(run, _extra_mounts(trainer), shm=False, token=False),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": _container_security(),
+    }
+    volumes = _volumes(run, _extra_volumes(trainer), shm_size=None, token=False)
+    spec: dict[str, Any] = {
+        "backoffLimit": init.backoff_limit,
+        "completions": 1,
+        "parallelism": 1,
+        "podFailurePolicy": {
+            "rules": [
+                {
+                    "action": "FailJob",
+                    "onExitCodes": {"containerName": INITIALIZER, "operator": "In", "values": [EXIT_PERMANENT]},
+                },
+                # A node drained or a pod preempted is no fault of the sources.
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+            ]
+        },
+        "template": {
+            "metadata": _template_metadata(run, INITIALIZER, trainer, None),
+            "spec": _pod_spec(run, container, volumes, "Never"),
+        },
+    }
+    if init.active_deadline_seconds is not None:
+        spec["activeDeadlineSeconds"] = init.active_deadline_seconds
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _metadata(run, child_names(run).initializer, INITIALIZER),
+        "spec": spec,
     }

@@ -13,7 +13,14 @@ from typing import Any
 
 from grpo_api.lifecycle import TrainerState
 from grpo_api.models import KIND
-from grpo_operator.builders import ATTEMPT_ANNOTATION, ATTEMPT_LABEL, COMPONENT_LABEL, SERVER, TRAINER
+from grpo_operator.builders import (
+    ATTEMPT_ANNOTATION,
+    ATTEMPT_LABEL,
+    COMPONENT_LABEL,
+    INITIALIZER,
+    SERVER,
+    TRAINER,
+)
 
 
 @dataclass(frozen=True)
@@ -28,6 +35,12 @@ class PodInfo:
     job_name: str | None = None
     #: Why it is not running well (unschedulable, image pull, crash, non-zero exit), for status messages.
     problem: str = ""
+    #: The termination message of its (first) container that terminated, as written.
+    termination_message: str = ""
+    #: A container of it has started (running or terminated): it has a log.
+    started: bool = False
+    #: A container of it is running now.
+    running: bool = False
 
 
 @dataclass(frozen=True)
@@ -57,6 +70,7 @@ class Children:
     deployment: DeploymentInfo | None = None
     jobs: tuple[JobInfo, ...] = ()
     trainer_pods: tuple[PodInfo, ...] = ()
+    initializer_pods: tuple[PodInfo, ...] = ()
 
     def job(self, name: str) -> JobInfo | None:
         return next((j for j in self.jobs if j.name == name), None)
@@ -73,8 +87,13 @@ class Children:
 
     def trainer_problem(self, job_name: str) -> str:
         """What went wrong in the Job's pod (exit code, reason, termination message), if anything."""
-        return next((f"pod {p.name}: {p.problem}" for p in self.trainer_pods
-                     if p.job_name == job_name and p.problem), "")
+        return next((f"pod {p.name}: {p.problem}" for p in self.job_pods(job_name) if p.problem), "")
+
+    def job_pods(self, job_name: str) -> list[PodInfo]:
+        """The pods of a trainer or initializer Job, newest first."""
+        pods = [p for p in (*self.trainer_pods, *self.initializer_pods) if p.job_name == job_name]
+        epoch = dt.datetime.min.replace(tzinfo=dt.UTC)
+        return sorted(pods, key=lambda p: p.created or epoch, reverse=True)
 
 
 def snapshot(
@@ -91,6 +110,7 @@ def snapshot(
     return Children(
         pods=tuple(p for p in pods if p.component == SERVER),
         trainer_pods=tuple(p for p in pods if p.component == TRAINER),
+        initializer_pods=tuple(p for p in pods if p.component == INITIALIZER),
         deployment=owned_deployments[0] if owned_deployments else None,
         jobs=tuple(j for j in jobs if j.owner == run_uid),
     )
@@ -137,7 +157,21 @@ def pod_info(body: dict[str, Any]) -> PodInfo:
         created=_time(meta.get("creationTimestamp")),
         job_name=labels.get("batch.kubernetes.io/job-name") or labels.get("job-name"),
         problem=pod_problem(status),
+        termination_message=termination_message(status),
+        started=any(
+            "running" in (c.get("state") or {}) or "terminated" in (c.get("state") or {})
+            for c in status.get("containerStatuses") or []
+        ),
+        running=any("running" in (c.get("state") or {}) for c in status.get("containerStatuses") or []),
     )
+
+
+def termination_message(status: dict[str, Any]) -> str:
+    for container in status.get("containerStatuses") or []:
+        terminated = (container.get("state") or {}).get("terminated") or {}
+        if terminated.get("message"):
+            return str(terminated["message"])
+    return ""
 
 
 #: Waiting reasons that are normal on the way up.

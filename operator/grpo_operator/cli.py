@@ -6,7 +6,8 @@ import logging
 
 import click
 
-from grpo_operator.builders import DEFAULT_OPERATOR_POD_LABELS, ServerIngress, parse_label_selector
+from grpo_api.models import DEFAULT_SERVER_IMAGE, DEFAULT_TRAINER_IMAGE
+from grpo_operator.builders import DEFAULT_OPERATOR_POD_LABELS, Images, ServerIngress, parse_label_selector
 from grpo_operator.reconcile import OperatorConfig
 
 
@@ -122,6 +123,22 @@ def _labels(ctx: click.Context, param: click.Parameter, value: str | None) -> di
     metavar="K=V,...",
     help="Labels of the scraper pods in those namespaces [default: any pod].",
 )
+@click.option(
+    "--server-image",
+    default=DEFAULT_SERVER_IMAGE,
+    show_default=True,
+    envvar="GRPO_SERVER_IMAGE",
+    metavar="IMAGE",
+    help="Server image of runs whose spec.server.image is unset.",
+)
+@click.option(
+    "--trainer-image",
+    default=DEFAULT_TRAINER_IMAGE,
+    show_default=True,
+    envvar="GRPO_TRAINER_IMAGE",
+    metavar="IMAGE",
+    help="Trainer and initializer image of runs whose spec.trainer.image is unset.",
+)
 @click.option("--verbose", is_flag=True, help="Log more.")
 @click.option("--debug", is_flag=True, help="Log everything kopf does.")
 def operator(
@@ -139,6 +156,8 @@ def operator(
     operator_namespace_selector: dict[str, str],
     scraper_namespace_selector: dict[str, str] | None,
     scraper_pod_selector: dict[str, str],
+    server_image: str,
+    trainer_image: str,
     verbose: bool,
     debug: bool,
 ) -> None:
@@ -165,6 +184,7 @@ def operator(
         )
         if network_policy
         else None,
+        images=Images(server=server_image, trainer=trainer_image),
     )
     kopf.configure(verbose=verbose, debug=debug)
     # The client logs whole response bodies at DEBUG: far too much even for --debug.

@@ -87,7 +87,10 @@ def server_deployments(
     "batch",
     "v1",
     "jobs",
-    labels={builders.RUN_LABEL: kopf.PRESENT, builders.COMPONENT_LABEL: builders.TRAINER},
+    labels={
+        builders.RUN_LABEL: kopf.PRESENT,
+        builders.COMPONENT_LABEL: lambda value, **_: value in (builders.TRAINER, builders.INITIALIZER),
+    },
 )
 def trainer_jobs(body: kopf.Body, namespace: str | None, labels: kopf.Labels, **_: Any) -> dict[RunKey, Any]:
     return {_run_key(namespace, labels): children.job_info(dict(body))}

@@ -111,6 +111,34 @@ class KubeClient:
                 return None
             raise
 
+    def read_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self._call(
+                "get", "PersistentVolumeClaim", self.core.read_namespaced_persistent_volume_claim, name, namespace
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def pod_log_tail(self, namespace: str, name: str, lines: int = 20, limit_bytes: int = 16384) -> str:
+        """The last lines of a pod's log ("" when the pod or its log is gone)."""
+        metrics.API_REQUESTS.labels(verb="get", kind="Pod/log").inc()
+        try:
+            response = self.core.read_namespaced_pod_log(
+                name,
+                namespace,
+                tail_lines=lines,
+                limit_bytes=limit_bytes,
+                _request_timeout=REQUEST_TIMEOUT_SECONDS,
+                _preload_content=False,
+            )
+        except ApiException as exc:
+            if exc.status in (400, 404):  # not started yet, or gone
+                return ""
+            raise
+        return bytes(response.data or b"").decode("utf-8", errors="replace")
+
     # -- the run itself --------------------------------------------------------------------------
 
     def read_run(self, namespace: str, name: str) -> dict[str, Any] | None:

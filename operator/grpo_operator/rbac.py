@@ -25,6 +25,8 @@ APPLICATION_RULES: list[PolicyRule] = [
         "resources": ["configmaps", "secrets", "persistentvolumeclaims"],
         "verbs": ["create"],
     },
+    # A run's claims are read for their access modes (ReadWriteOncePod refused, ReadWriteOnce co-located).
+    {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get"]},
     {"apiGroups": [""], "resources": ["services"], "verbs": ["create", "delete"]},
     # The run's server NetworkPolicy: created with the Service, removed with the run by GC.
     {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["create"]},
@@ -36,6 +38,8 @@ APPLICATION_RULES: list[PolicyRule] = [
     },
     {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "list", "watch", "create", "delete"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+    # The initializer's latest progress line, shown in the run's status while it fetches.
+    {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ]
 

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from urllib3.exceptions import HTTPError as Urllib3HTTPError
 
 from grpo_api.lifecycle import (
+    CreateInitializer,
     CreateTrainer,
     Decision,
     DeleteRun,
@@ -42,7 +43,9 @@ from grpo_api.lifecycle import (
     wants_health,
 )
 from grpo_api.models import GRPORun, GRPORunStatus, Mode, Phase
+from grpo_api.prepare_protocol import latest_progress
 from grpo_api.runconfig import format_validation_error
+from grpo_api.sources import SourceError
 from grpo_operator import builders, metrics
 from grpo_operator.children import Children, job_info
 from grpo_operator.health import DEFAULT_TIMEOUT_SECONDS, HealthClient
@@ -64,6 +67,8 @@ class OperatorConfig:
     metrics_port: int = 9090
     #: Who may reach a run's server besides its trainer (a NetworkPolicy per run); None: no policy.
     server_ingress: builders.ServerIngress | None = field(default_factory=builders.ServerIngress)
+    #: Images of runs whose spec names none (the chart's images.server and images.trainer).
+    images: builders.Images = field(default_factory=builders.Images)
 
 
 @dataclass
@@ -151,7 +156,10 @@ def _reconcile(rt: Runtime, body: dict[str, Any], children: Children) -> float:
     try:
         run = GRPORun.model_validate({"metadata": meta, "spec": body.get("spec")})
         builders.check_run(run)
-    except (ValidationError, builders.InvalidRunError) as exc:
+        builders.source_layout(run)
+        if status.phase == Phase.PENDING:
+            check_claims(rt, run)
+    except (ValidationError, builders.InvalidRunError, SourceError) as exc:
         message = (
             format_validation_error(f"GRPORun {namespace}/{name}", exc)
             if isinstance(exc, ValidationError)
@@ -199,6 +207,9 @@ def observe(
             # Without a Ready pod the Service has no endpoint: skip the HTTP call.
             trouble = f" ({server_message})" if server_message else ""
             health = HealthCheck(reachable=False, error=f"no ready server pod of attempt {attempt} yet{trouble}")
+    initializer, initializer_message, progress = (
+        initializer_state(rt, run, children) if status.phase == Phase.INITIALIZING else (TrainerState.ABSENT, "", None)
+    )
     return Observation(
         now=now,
         older_servers_alive=older,
@@ -207,7 +218,82 @@ def observe(
         trainer_message=trainer_message,
         server_url=(override or service_url) if server_mode else None,
         server_message=server_message,
+        initializer=initializer,
+        initializer_message=initializer_message,
+        initializer_progress=progress,
     )
+
+
+def initializer_state(rt: Runtime, run: GRPORun, children: Children) -> tuple[TrainerState, str, str | None]:
+    """The initializer Job's state, its trouble (or why it failed) and its latest progress line."""
+    namespace = run.metadata.namespace or "default"
+    name = builders.child_names(run).initializer
+    job = children.job(name)
+    if job is None:
+        raw = rt.kube.read_job(namespace, name)
+        job = job_info(raw) if raw is not None else None
+    if job is None:
+        return TrainerState.ABSENT, "", None
+    pods = children.job_pods(name)
+    # Its own last words (its termination message is a protocol line) say more than the pod's exit.
+    said = next((latest_progress(p.termination_message) or p.termination_message
+                 for p in pods if p.termination_message), "")
+    # The log is read while its pod runs, and once when the Job ends without last words to read.
+    progress: str | None = None
+    if job.state != TrainerState.ACTIVE:
+        if said:
+            progress = said
+        elif pods and pods[0].started:
+            progress = latest_progress(rt.kube.pod_log_tail(namespace, pods[0].name))
+    elif pods and pods[0].running:
+        progress = latest_progress(rt.kube.pod_log_tail(namespace, pods[0].name))
+    problem = next((f"pod {p.name}: {p.problem}" for p in pods if p.problem and not p.termination_message), "")
+    if job.state == TrainerState.FAILED:
+        return job.state, said or progress or problem or job.message, progress
+    if job.state == TrainerState.ACTIVE:
+        # A pod that failed and is being retried: its words, as trouble, beside the progress.
+        return job.state, problem or (f"retrying after: {said}" if said else ""), progress
+    return job.state, "", progress
+
+
+def check_claims(rt: Runtime, run: GRPORun) -> None:
+    """Refuse, before anything is created, an existing claim that server mode cannot share."""
+    if run.spec.mode != Mode.SERVER:
+        return
+    namespace = run.metadata.namespace or "default"
+    for claim in builders.claims_of(run):
+        if claim == builders.child_names(run).data:
+            continue  # made by us, from storage.accessModes (checked at admission)
+        modes = claim_access_modes(rt, namespace, claim)
+        if modes == ["ReadWriteOncePod"]:
+            raise builders.InvalidRunError(
+                f"claim {claim} is ReadWriteOncePod: one pod may mount it, but server mode runs a server and "
+                "a trainer on it; use a ReadWriteOnce (same node) or ReadWriteMany claim"
+            )
+
+
+def claim_access_modes(rt: Runtime, namespace: str, claim: str) -> list[str] | None:
+    """A claim's access modes (its bound volume's once bound), None when it does not exist yet."""
+    raw = rt.kube.read_claim(namespace, claim)
+    if raw is None:
+        return None
+    modes = (raw.get("status") or {}).get("accessModes") or (raw.get("spec") or {}).get("accessModes")
+    return [str(m) for m in modes] if modes else None
+
+
+def placement(rt: Runtime, run: GRPORun) -> builders.Placement:
+    """Where the trainer may go: on the server's node when a claim both mount cannot span nodes."""
+    if run.spec.mode != Mode.SERVER:
+        return builders.Placement()
+    namespace = run.metadata.namespace or "default"
+    data = builders.volume_claim_name(run)
+    modes: dict[str, list[str] | None] = {}
+    for claim in builders.claims_of(run):
+        if claim == builders.child_names(run).data and run.spec.storage.existing_claim is None:
+            modes[claim] = list(run.spec.storage.access_modes)
+        else:
+            modes[claim] = claim_access_modes(rt, namespace, claim)
+    return builders.Placement(same_node=builders.needs_same_node(modes, data))
 
 
 def server_trouble(children: Children, attempt: int) -> str:
@@ -256,8 +342,11 @@ def execute(rt: Runtime, run: GRPORun, children: Children, decision: Decision) -
         match action:
             case Provision():
                 provision(rt, run)
+            case CreateInitializer():
+                if children.job(names.initializer) is None:
+                    rt.kube.create_if_absent(builders.build_initializer_job(run, rt.config.images))
             case EnsureServer(attempt=attempt, replicas=replicas):
-                desired = builders.build_server_deployment(run, attempt, replicas)
+                desired = builders.build_server_deployment(run, attempt, replicas, rt.config.images)
                 if deployment is None:
                     rt.kube.create_if_absent(desired)
                 elif deployment.attempt != attempt or deployment.replicas != replicas:
@@ -278,7 +367,8 @@ def execute(rt: Runtime, run: GRPORun, children: Children, decision: Decision) -
                     rt.kube.delete_if_present("Deployment", namespace, names.server)
             case CreateTrainer(attempt=attempt):
                 if children.job(names.trainer(attempt)) is None:
-                    rt.kube.create_if_absent(builders.build_trainer_job(run, attempt))
+                    job = builders.build_trainer_job(run, attempt, rt.config.images, placement(rt, run))
+                    rt.kube.create_if_absent(job)
             case DeleteTrainer(attempt=attempt):
                 rt.kube.delete_if_present("Job", namespace, names.trainer(attempt))
             case DeleteRun():
@@ -292,7 +382,11 @@ def execute(rt: Runtime, run: GRPORun, children: Children, decision: Decision) -
 
 def provision(rt: Runtime, run: GRPORun) -> None:
     """Run-config, volume claim, token and Service: created once, kept as they are if they exist."""
-    objects = [builders.build_config_map(run), builders.build_volume_claim(run)]
+    objects = [
+        builders.build_config_map(run),
+        builders.build_volume_claim(run),
+        builders.build_rewards_config_map(run),
+    ]
     if run.spec.mode == Mode.SERVER:
         objects += [builders.build_token_secret(run, secrets.token_urlsafe(32)), builders.build_service(run)]
         if rt.config.server_ingress is not None:

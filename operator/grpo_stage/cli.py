@@ -1,4 +1,5 @@
-"""`grpo stage`: copy local files onto a PersistentVolumeClaim through the Kubernetes API."""
+"""`grpo stage`: copy local files onto a PersistentVolumeClaim, or small files into a ConfigMap,
+through the Kubernetes API."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import typing
 from dataclasses import dataclass
 
 import click
+from click.core import ParameterSource
 
-from grpo_api.models import QUANTITY_PATTERN, AccessMode, TrainerSpec
-from grpo_stage import kube
+from grpo_api.models import DEFAULT_TRAINER_IMAGE, QUANTITY_PATTERN, AccessMode
+from grpo_stage import configmap, kube
 from grpo_stage.errors import StageError
 from grpo_stage.manifests import POD_PREFIX, build_pod, compare_manifest, exec_status, receiver_command
 from grpo_stage.paths import Mapping, check_overlaps, parse_mapping
@@ -21,7 +23,17 @@ from grpo_stage.progress import Progress, human_bytes
 from grpo_stage.sources import Entry, collect
 from grpo_stage.tarstream import FileDigest, write_tar
 
-DEFAULT_IMAGE = TrainerSpec().image
+DEFAULT_IMAGE = DEFAULT_TRAINER_IMAGE
+#: Parameters that only apply with --claim (refused with --configmap when given on the command line).
+CLAIM_ONLY = (
+    "create_size",
+    "storage_class",
+    "access_mode",
+    "image",
+    "image_pull_policy",
+    "start_timeout",
+    "dereference",
+)
 
 
 def _mappings(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> list[Mapping]:
@@ -44,6 +56,37 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> str 
     return value
 
 
+def _configmap_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    try:
+        return None if value is None else configmap.validate_name(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
+
+
+def _configmap_sources(values: tuple[str, ...]) -> list[configmap.Source]:
+    try:
+        return [configmap.parse_source(value) for value in values]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="'SRC[:KEY]...'") from exc
+
+
+def _param(ctx: click.Context, name: str) -> click.Parameter:
+    return next(p for p in ctx.command.params if p.name == name)
+
+
+def _option(param: click.Parameter) -> str:
+    return max(param.opts, key=len)
+
+
+def _given_claim_options(ctx: click.Context) -> list[str]:
+    """The --claim-only options given on the command line (their defaults do not count)."""
+    return [
+        _option(_param(ctx, name))
+        for name in CLAIM_ONLY
+        if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
+    ]
+
+
 def _stderr(quiet: bool) -> typing.TextIO | None:
     return None if quiet else sys.stderr
 
@@ -54,9 +97,23 @@ def _say(quiet: bool, line: str) -> None:
 
 
 @click.command("stage")
-@click.argument("mappings", metavar="SRC:DEST...", nargs=-1, required=True, callback=_mappings)
-@click.option("--claim", required=True, metavar="CLAIM", help="The PersistentVolumeClaim to copy onto.")
-@click.option("-n", "--namespace", metavar="NS", help="Namespace of the claim [default: the kubeconfig context's].")
+@click.argument("sources", metavar="SRC:DEST...", nargs=-1, required=True)
+@click.option("--claim", metavar="CLAIM", help="The PersistentVolumeClaim to copy onto (this or --configmap).")
+@click.option(
+    "--configmap",
+    "configmap_name",
+    metavar="NAME",
+    callback=_configmap_name,
+    help="The ConfigMap to put small files into instead of a claim (arguments SRC[:KEY]; see above).",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="With --configmap: replace the ConfigMap even if grpo stage did not make it.",
+)
+@click.option(
+    "-n", "--namespace", metavar="NS", help="Namespace of the claim or ConfigMap [default: the kubeconfig context's]."
+)
 @click.option(
     "--create",
     "create_size",
@@ -117,10 +174,14 @@ def _say(quiet: bool, line: str) -> None:
     help="Kubeconfig file [default: $KUBECONFIG, ~/.kube/config, else in-cluster credentials].",
 )
 @click.option("--context", metavar="NAME", help="Kubeconfig context [default: the current one].")
-@click.option("-q", "--quiet", is_flag=True, help="No progress lines; only the summary and errors.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress lines (nor keys); only the summary and errors.")
+@click.pass_context
 def stage(
-    mappings: list[Mapping],
-    claim: str,
+    ctx: click.Context,
+    sources: tuple[str, ...],
+    claim: str | None,
+    configmap_name: str | None,
+    force: bool,
     namespace: str | None,
     create_size: str | None,
     storage_class: str | None,
@@ -134,7 +195,8 @@ def stage(
     context: str | None,
     quiet: bool,
 ) -> None:
-    """Copy local files and directories onto a PersistentVolumeClaim, atomically and verified.
+    """Copy local files and directories onto a PersistentVolumeClaim, atomically and verified; or put
+    small files into a ConfigMap.
 
     Each SRC (a local file or directory, copied recursively) goes to DEST, a path relative to the
     claim's root (a GRPORun mounts it at storage.mountPath, /data by default). A short-lived pod
@@ -146,7 +208,35 @@ def stage(
       grpo stage -n team-a --claim grpo-data --create 10Gi \\
         ./my-model:models/my-model ./prompts.jsonl:datasets/prompts.jsonl \\
         ./my_rewards.py:datasets/my_rewards.py
+
+    With --configmap NAME instead of --claim, each argument is SRC[:KEY]: a local file, which becomes
+    the key KEY [default: the file's name] of the ConfigMap NAME, or a directory, whose regular files at
+    its top level each become a key of their name (not recursive: subdirectories are refused). UTF-8
+    text goes to data, other files to binaryData; at most 1,000,000 bytes in all (more: use --claim).
+    The ConfigMap is created, or replaced whole (keys not given go); one that grpo stage did not make is
+    only replaced with --force. A GRPORun reads it as configmap://NAME.
+
+    \b
+    Example:
+      grpo stage -n team-a --configmap my-rewards \\
+        ./my_rewards.py ./prompts-v2.jsonl:prompts.jsonl
     """
+    if (claim is None) == (configmap_name is None):
+        raise click.UsageError(
+            "give one of --claim CLAIM (files onto a PersistentVolumeClaim) or --configmap NAME "
+            "(small files into a ConfigMap)" + (", not both" if claim is not None else "")
+        )
+    if configmap_name is not None:
+        given = _given_claim_options(ctx)
+        if given:
+            verb = "applies" if len(given) == 1 else "apply"
+            raise click.UsageError(f"{', '.join(given)} only {verb} with --claim, not with --configmap")
+        _stage_configmap(configmap_name, _configmap_sources(sources), namespace, force, kubeconfig, context, quiet)
+        return
+    assert claim is not None
+    if force:
+        raise click.UsageError("--force only applies with --configmap")
+    mappings = _mappings(ctx, _param(ctx, "sources"), sources)
     if create_size is None and (storage_class or access_mode):
         raise click.UsageError("--storage-class and --access-mode only apply with --create SIZE")
     started = time.monotonic()
@@ -171,6 +261,32 @@ def stage(
     click.echo(
         f"grpo stage: staged {_files(len(digests))} ({human_bytes(total)}) onto PersistentVolumeClaim {claim} "
         f"in namespace {namespace} in {seconds:.1f} s; sha256 of every file verified on the claim"
+    )
+
+
+def _stage_configmap(
+    name: str,
+    sources: list[configmap.Source],
+    namespace: str | None,
+    force: bool,
+    kubeconfig: str | None,
+    context: str | None,
+    quiet: bool,
+) -> None:
+    """--configmap: check and read the files, then create or replace the ConfigMap (no pod)."""
+    try:
+        payload = configmap.read_payload(configmap.collect_files(sources))
+        api_client, default_namespace = kube.load_client(kubeconfig, context)
+        namespace = namespace or default_namespace
+        manifest = configmap.build_configmap(name=name, namespace=namespace, payload=payload)
+        outcome = kube.put_configmap(kube.StageApi(api_client), manifest, force=force)
+    except StageError as exc:
+        raise click.ClickException(str(exc)) from exc
+    for item in payload.items:
+        _say(quiet, f"{item.key}  {human_bytes(item.size)}{'  (binaryData)' if item.binary else ''}")
+    click.echo(
+        f"grpo stage: staged {_files(len(payload.items))} ({human_bytes(payload.file_bytes)}) into ConfigMap {name} "
+        f"in namespace {namespace} ({outcome})"
     )
 
 

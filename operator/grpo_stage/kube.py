@@ -1,4 +1,5 @@
-"""The API calls of grpo stage: credentials, the claim, the staging pod and the exec that feeds it."""
+"""The API calls of grpo stage: credentials, the claim, the staging pod and the exec that feeds it,
+and the ConfigMap of `--configmap`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from kubernetes.stream import stream
 from kubernetes.stream.ws_client import ERROR_CHANNEL, STDERR_CHANNEL, STDIN_CHANNEL, STDOUT_CHANNEL, WSClient
 from websocket import WebSocketException
 
+from grpo_stage import configmap
 from grpo_stage.errors import StageError
 from grpo_stage.manifests import CONTAINER, build_claim, pod_state
 
@@ -24,6 +26,10 @@ REQUEST_TIMEOUT_SECONDS = 30
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 #: What the user needs in the namespace, named when the API says 403.
 NEEDED_RBAC = "get/create persistentvolumeclaims, get/create/delete pods and create pods/exec"
+#: The same for --configmap.
+NEEDED_RBAC_CONFIGMAP = "get/create/update configmaps"
+#: Attempts of create-or-replace when the ConfigMap changes in between (409 Conflict).
+CONFIGMAP_ATTEMPTS = 5
 
 
 def load_client(kubeconfig: str | None, context: str | None) -> tuple[client.ApiClient, str]:
@@ -46,8 +52,8 @@ def load_client(kubeconfig: str | None, context: str | None) -> tuple[client.Api
     return client.ApiClient(configuration), str(namespace)
 
 
-def api_message(exc: ApiException) -> str:
-    """The API server's own message (its Status body) or the HTTP reason."""
+def api_message(exc: ApiException, needs: str = NEEDED_RBAC) -> str:
+    """The API server's own message (its Status body) or the HTTP reason; on 403, the RBAC it `needs`."""
     try:
         body = json.loads(exc.body or "")
     except (TypeError, ValueError):
@@ -55,7 +61,7 @@ def api_message(exc: ApiException) -> str:
     message = body.get("message") if isinstance(body, dict) else None
     text = f"{exc.status} {message or exc.reason}"
     if exc.status == 403:
-        text += f" (grpo stage needs: {NEEDED_RBAC})"
+        text += f" (grpo stage needs: {needs})"
     return text
 
 
@@ -136,6 +142,76 @@ class StageApi:
                 f"cannot exec into pod {name} in namespace {namespace}: {exc.reason} (grpo stage needs: {NEEDED_RBAC})"
             ) from exc
         return ws
+
+    def read_configmap(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self._call(self.core.read_namespaced_config_map, name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise _configmap_error("read", namespace, name, exc) from exc
+
+    def create_configmap(self, manifest: dict[str, Any]) -> bool:
+        """Create it; False when one of that name exists already (409)."""
+        meta = manifest["metadata"]
+        try:
+            self._call(self.core.create_namespaced_config_map, meta["namespace"], manifest)
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise _configmap_error("create", meta["namespace"], meta["name"], exc) from exc
+        return True
+
+    def replace_configmap(self, manifest: dict[str, Any]) -> bool:
+        """Replace it (at manifest's resourceVersion); False when it changed or went meanwhile (409, 404)."""
+        meta = manifest["metadata"]
+        try:
+            self._call(self.core.replace_namespaced_config_map, meta["name"], meta["namespace"], manifest)
+        except ApiException as exc:
+            if exc.status in (404, 409):
+                return False
+            raise _configmap_error("replace", meta["namespace"], meta["name"], exc) from exc
+        return True
+
+
+def _configmap_error(action: str, namespace: str, name: str, exc: ApiException) -> StageError:
+    where = f"ConfigMap {name} in namespace {namespace}"
+    if exc.status == 404:
+        return StageError(f"cannot {action} {where}: namespace {namespace} not found")
+    if exc.status == 422:
+        return StageError(f"the API server refused {where} as invalid: {api_message(exc)}")
+    return StageError(f"cannot {action} {where}: {api_message(exc, NEEDED_RBAC_CONFIGMAP)}")
+
+
+def put_configmap(api: StageApi, manifest: dict[str, Any], force: bool, attempts: int = CONFIGMAP_ATTEMPTS) -> str:
+    """Create the ConfigMap, or replace all of an existing one's keys (one grpo stage made, or any
+    with force), optimistically: 'created' or 'replaced'; StageError naming it otherwise."""
+    meta = manifest["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    where = f"ConfigMap {name} in namespace {namespace}"
+    for _ in range(attempts):
+        if api.create_configmap(manifest):
+            return "created"
+        existing = api.read_configmap(namespace, name)
+        if existing is None:
+            continue  # deleted in between: create it again
+        if (existing.get("metadata") or {}).get("deletionTimestamp"):
+            raise StageError(f"{where} is being deleted: try again when it is gone")
+        if not force and not configmap.is_managed(existing):
+            raise StageError(
+                f"{where} exists and was not made by grpo stage (no label "
+                f"{configmap.MANAGED_BY}={configmap.LABELS[configmap.MANAGED_BY]}): delete it "
+                f"(kubectl -n {namespace} delete configmap {name}) or choose another name; "
+                "--force replaces it all the same"
+            )
+        if existing.get("immutable"):
+            raise StageError(
+                f"{where} is immutable: delete it (kubectl -n {namespace} delete configmap {name}) "
+                "or choose another name"
+            )
+        if api.replace_configmap(configmap.replacement(existing, manifest)):
+            return "replaced"
+    raise StageError(f"{where} kept changing while grpo stage replaced it ({attempts} attempts): try again")
 
 
 def ensure_claim(api: StageApi, namespace: str, name: str, create: ClaimRequest | None) -> str:

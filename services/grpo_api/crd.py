@@ -131,6 +131,15 @@ def spec_schema() -> dict[str, Any]:
     _add_rules(props["trainer"]["properties"]["lora"], m.LORA_RULES)
     _add_rules(props["server"], m.SERVER_RULES)
     _add_rules(props["storage"], m.STORAGE_RULES)
+    _add_rules(props["model"], m.MODEL_RULES)
+    _add_rules(props["dataset"], m.DATASET_RULES)
+    _add_rules(props["rewards"]["items"]["properties"]["function"], m.REWARD_RULES)
+    _add_rules(props["rewardCode"], m.REWARD_CODE_RULES)
+    for section in ("server", "trainer"):
+        node = props[section]
+        _add_rules(node, m.pod_rules(section))
+        _add_rules(node["properties"]["env"]["items"], m.ENV_RULES)
+        _add_rules(node["properties"]["env"]["items"]["properties"]["valueFrom"], m.ENV_SOURCE_RULES)
     return spec
 
 

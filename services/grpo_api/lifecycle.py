@@ -6,6 +6,10 @@ here performs I/O or reads a clock; the caller passes `now`.
 
 The contract (ARCHITECTURE.md, "Lifecycle of one run"):
 
+- before the first attempt, once per run, the initializer fetches the hf:// sources onto the
+  run's volume and checks that the model, the dataset and every reward function load; until it
+  succeeds no server starts, and its failure fails the run (`SourceUnavailable`), after the
+  initializer's own retries of a transient fetch error (a Job's backoffLimit);
 - every attempt gets a fresh server: the trainer of attempt N is created only
   when no server of an older attempt is alive and the server answers its health
   check with status 200, a boot id not recorded for an earlier attempt and no
@@ -43,11 +47,13 @@ from grpo_api.models import (
     Phase,
     ProgressStatus,
     Reason,
+    SourcesStatus,
 )
 from grpo_api.protocol import HealthResponse, TrainingProgress
 
 #: How often to look again while something is expected to change soon (server start, trainer state).
 SERVER_POLL_SECONDS = 2.0
+INITIALIZER_POLL_SECONDS = 5.0
 TRAINER_POLL_SECONDS = 10.0
 #: Events and condition messages stay short (events are capped at 1 KiB by convention).
 MAX_MESSAGE_CHARS = 1000
@@ -61,6 +67,7 @@ WARNING_REASONS = frozenset(
         Reason.BACKOFF_LIMIT_EXCEEDED,
         Reason.DEADLINE_EXCEEDED,
         Reason.INVALID_SPEC,
+        Reason.SOURCE_UNAVAILABLE,
     }
 )
 
@@ -117,6 +124,12 @@ class Observation:
     #: Trouble with the current attempt's server (pod unschedulable, image pull, crash loop), if
     #: any; recorded in status.server.message.
     server_message: str = ""
+    #: The run's initializer (a Job, or a process): fetches and checks the sources once per run.
+    initializer: TrainerState = TrainerState.ABSENT
+    #: Why it failed (its termination message), or its trouble while it runs (image pull, scheduling).
+    initializer_message: str = ""
+    #: Its latest progress line, if any.
+    initializer_progress: str | None = None
 
 
 # ----------------------------------------------------------------------------------------- actions
@@ -125,6 +138,11 @@ class Observation:
 @dataclass(frozen=True)
 class Provision:
     """Run-config, shared volume and token (and, in server mode, the server's address) should exist."""
+
+
+@dataclass(frozen=True)
+class CreateInitializer:
+    """The run's initializer should exist (created once per run; it resumes a fetch it retries)."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +200,7 @@ class RequeueAfter:
 
 Action = (
     Provision
+    | CreateInitializer
     | EnsureServer
     | StopServer
     | DeleteServer
@@ -289,10 +308,13 @@ class _Step:
             self.suspend()
         elif phase == Phase.SUSPENDED:
             self.status.start_time = self.now  # as for Jobs: the active deadline restarts on resume
-            self.start_attempt(self.status.attempt + 1, Reason.RESUMED, "resumed")
+            if self.status.sources.ready:
+                self.start_attempt(self.status.attempt + 1, Reason.RESUMED, "resumed")
+            else:
+                self.initialize(Reason.RESUMED, "resumed; fetching and checking the sources")
         elif phase == Phase.PENDING:
             self.status.start_time = self.now
-            self.start_attempt(1, Reason.CREATED, "run started")
+            self.initialize(Reason.CREATED, "run started; fetching and checking the sources")
         elif self.deadline_passed():
             self.finish(
                 Phase.FAILED,
@@ -300,6 +322,8 @@ class _Step:
                 f"activeDeadlineSeconds ({policy.active_deadline_seconds}) passed "
                 f"on attempt {self.status.attempt}",
             )
+        elif phase == Phase.INITIALIZING:
+            self.await_sources()
         elif phase == Phase.STARTING_SERVER:
             self.await_server()
         else:
@@ -312,14 +336,48 @@ class _Step:
         self.status.reason = reason
         self.status.message = _truncate(message)
 
-    def start_attempt(self, attempt: int, reason: Reason, message: str) -> None:
+    def initialize(self, reason: Reason, message: str) -> None:
+        """Before the first attempt: the initializer fetches the hf:// sources and checks that the model,
+        the dataset and every reward function load, so a bad source fails the run before any server."""
+        self.actions.append(Provision())
+        self.actions.append(CreateInitializer())
+        self.set_phase(Phase.INITIALIZING, reason, message)
+        self.actions.append(RequeueAfter(SERVER_POLL_SECONDS))
+
+    def await_sources(self) -> None:
+        state = self.obs.initializer
+        progress = _truncate(self.obs.initializer_progress or "") or None
+        if progress is not None:
+            self.status.sources.progress = progress
+        if state == TrainerState.SUCCEEDED:
+            self.status.sources = SourcesStatus(ready=True, progress=progress, completed_at=self.now)
+            ready = f"sources ready ({progress})" if progress else "sources ready"
+            # The initializer's run provisioned the children already.
+            self.start_attempt(self.status.attempt + 1, Reason.SOURCES_READY, ready, provision=False)
+            return
+        if state == TrainerState.FAILED:
+            detail = self.obs.initializer_message or progress or "no message"
+            self.finish(Phase.FAILED, Reason.SOURCE_UNAVAILABLE, f"the initializer failed: {detail}")
+            return
+        self.actions.append(CreateInitializer())
+        trouble = f" ({self.obs.initializer_message})" if self.obs.initializer_message else ""
+        self.set_phase(
+            Phase.INITIALIZING,
+            Reason.FETCHING_SOURCES,
+            (progress or "waiting for the initializer to fetch and check the sources") + trouble,
+        )
+        self.actions.append(RequeueAfter(INITIALIZER_POLL_SECONDS))
+        self.requeue_for_deadline()
+
+    def start_attempt(self, attempt: int, reason: Reason, message: str, *, provision: bool = True) -> None:
         """Begin attempt N: fresh server first (server mode), the trainer straight away (colocate)."""
         self.status.attempt = attempt
         self.status.attempt_started_at = self.now
         # The boot id stays recorded: the next server must show a different one.
         self.status.server.ready = False
         self.status.server.message = None  # the trouble of the old server is not the new one's
-        self.actions.append(Provision())
+        if provision:
+            self.actions.append(Provision())
         if self.server_mode:
             self.actions.append(EnsureServer(attempt, 1))
             self.set_phase(
@@ -586,6 +644,7 @@ def _conditions(
             generation,
         )
 
+    put(ConditionType.SOURCES_READY, status.sources.ready, Reason.SOURCES_READY)
     if spec.mode == Mode.SERVER:
         put(ConditionType.SERVER_READY, status.server.ready, Reason.SERVER_READY)
     put(ConditionType.TRAINER_RUNNING, phase == Phase.TRAINING, Reason.TRAINER_RUNNING)

@@ -11,8 +11,9 @@ validators so `grpo run` refuses the same specs before anything starts.
 from __future__ import annotations
 
 import datetime as dt
+import re
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
@@ -24,6 +25,10 @@ KIND = "GRPORun"
 PLURAL = "grporuns"
 SINGULAR = "grporun"
 SHORT_NAMES = ["grpo"]
+
+#: The images a run gets when neither its spec nor the operator names one (the chart sets the operator's).
+DEFAULT_SERVER_IMAGE = "ghcr.io/grpo-dev/grpo-server:0.1.0"
+DEFAULT_TRAINER_IMAGE = "ghcr.io/grpo-dev/grpo-trainer:0.1.0"
 
 #: LoRA ranks vLLM can serve (`vllm/config/lora.py`).
 VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -66,11 +71,87 @@ class Resources(ApiModel):
     )
 
 
-class EnvVar(ApiModel):
-    """An extra environment variable for a container (literal values only)."""
+#: Environment variable names a container accepts (C identifiers; what every shell can export).
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+#: Names of Kubernetes objects (DNS-1123 subdomains) and of volumes and ports (DNS-1123 labels).
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+#: ConfigMap and Secret keys.
+KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
 
-    name: str = Field(description="Variable name.", min_length=1, max_length=256)
-    value: str = Field(default="", description="Variable value.", max_length=4096)
+
+def ObjectName(description: str) -> Any:
+    return Field(description=description, min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
+
+
+class SecretKeySelector(ApiModel):
+    """One key of a Secret in the run's namespace."""
+
+    name: str = ObjectName("Name of the Secret.")
+    key: str = Field(description="Key in the Secret.", min_length=1, max_length=253, pattern=KEY_PATTERN)
+    optional: bool | None = Field(default=None, description="Start even when the Secret or key is missing.")
+
+
+class ConfigMapKeySelector(ApiModel):
+    """One key of a ConfigMap in the run's namespace."""
+
+    name: str = ObjectName("Name of the ConfigMap.")
+    key: str = Field(description="Key in the ConfigMap.", min_length=1, max_length=253, pattern=KEY_PATTERN)
+    optional: bool | None = Field(default=None, description="Start even when the ConfigMap or key is missing.")
+
+
+class FieldSelector(ApiModel):
+    """A field of the pod (metadata.name, metadata.namespace, spec.nodeName, status.podIP, ...)."""
+
+    field_path: str = Field(description="Path of the field, e.g. metadata.name.", min_length=1, max_length=256)
+
+
+class EnvVarSource(ApiModel):
+    """Where a variable's value comes from: exactly one of a Secret key, a ConfigMap key or a pod field."""
+
+    secret_key_ref: SecretKeySelector | None = Field(default=None, description="A key of a Secret.")
+    config_map_key_ref: ConfigMapKeySelector | None = Field(default=None, description="A key of a ConfigMap.")
+    field_ref: FieldSelector | None = Field(default=None, description="A field of the pod.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> EnvVarSource:
+        given = [x for x in (self.secret_key_ref, self.config_map_key_ref, self.field_ref) if x is not None]
+        if len(given) != 1:
+            raise ValueError("valueFrom needs exactly one of secretKeyRef, configMapKeyRef or fieldRef")
+        return self
+
+
+class EnvVar(ApiModel):
+    """An extra environment variable for a container: a literal value, or one read from a Secret,
+    a ConfigMap or the pod (valueFrom), as in a Pod spec."""
+
+    name: str = Field(description="Variable name.", min_length=1, max_length=256, pattern=ENV_NAME_PATTERN)
+    value: str | None = Field(default=None, description="Literal value.", max_length=4096)
+    value_from: EnvVarSource | None = Field(
+        default=None, description="Read the value from a Secret key, a ConfigMap key or a pod field."
+    )
+
+    @model_validator(mode="after")
+    def _one_value(self) -> EnvVar:
+        if self.value is not None and self.value_from is not None:
+            raise ValueError(f"env {self.name}: set value or valueFrom, not both")
+        return self
+
+    @property
+    def literal(self) -> str:
+        return self.value or ""
+
+
+ENV_RULES: list[dict[str, str]] = [
+    {"rule": "!(has(self.value) && has(self.valueFrom))", "message": "set value or valueFrom, not both"},
+]
+ENV_SOURCE_RULES: list[dict[str, str]] = [
+    {
+        "rule": "[has(self.secretKeyRef), has(self.configMapKeyRef), has(self.fieldRef)]"
+        ".filter(x, x).size() == 1",
+        "message": "valueFrom needs exactly one of secretKeyRef, configMapKeyRef or fieldRef",
+    },
+]
 
 
 # ---------------------------------------------------------------------------------------------- spec
@@ -83,23 +164,114 @@ class ModelDType(StrEnum):
     FLOAT32 = "float32"
 
 
+#: Where a model, a dataset or reward code comes from (services/grpo_api/sources.py reads them):
+#: pvc://CLAIM[/PATH] an existing claim in the run's namespace, hf://[ORG/]NAME[@REVISION] a Hugging
+#: Face repository fetched once per run, oci://REFERENCE an OCI image mounted read-only (image volume),
+#: configmap://NAME a ConfigMap in the run's namespace (datasets and reward code only).
+PVC_URI = r"pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/[-A-Za-z0-9_.@+=,/]*)?"
+HF_URI = r"hf://([A-Za-z0-9][-A-Za-z0-9_.]{0,95}/)?[A-Za-z0-9][-A-Za-z0-9_.]{0,95}(@[-A-Za-z0-9_./]{1,256})?"
+OCI_URI = r"oci://[a-z0-9][-a-z0-9.]*(:[0-9]+)?(/[-a-z0-9_.]+)+(:[A-Za-z0-9_][-A-Za-z0-9_.]{0,127})?(@sha256:[a-f0-9]{64})?"
+CONFIGMAP_URI = r"configmap://[a-z0-9]([-a-z0-9.]*[a-z0-9])?"
+MODEL_SOURCE_PATTERN = f"^({PVC_URI}|{HF_URI}|{OCI_URI})$"
+DATASET_SOURCE_PATTERN = f"^({PVC_URI}|{HF_URI}|{OCI_URI}|{CONFIGMAP_URI})$"
+CODE_SOURCE_PATTERN = f"^({PVC_URI}|{OCI_URI}|{CONFIGMAP_URI})$"
+#: A path inside a source: relative, no `..` segment (checked again by CEL and the validators).
+RELATIVE_PATH_PATTERN = r"^[-A-Za-z0-9_.@+=,/ ]*$"
+#: CEL: the path has no `..` segment.
+NO_DOTDOT_CEL = "!self.matches('(^|/)[.][.](/|$)')"
+
+
+class HubAccess(ApiModel):
+    """How an hf:// source is fetched: the token and the endpoint (a mirror, a proxy)."""
+
+    token_secret_ref: SecretKeySelector | None = Field(
+        default=None,
+        description="Secret key holding a Hugging Face token (HF_TOKEN); only the initializer reads it.",
+    )
+    endpoint: str | None = Field(
+        default=None,
+        description="Hub endpoint (HF_ENDPOINT), e.g. an internal mirror; default https://huggingface.co.",
+        max_length=1024,
+        pattern=r"^https?://[^\s]+$",
+    )
+
+
+def _has_dotdot(path: str) -> bool:
+    return ".." in path.split("/")
+
+
 class ModelSpec(ApiModel):
     """The base model that the server serves and the trainer adapts."""
 
     name: str = Field(
-        description="Model name: a hub id resolved from the model cache (e.g. Qwen/Qwen2.5-1.5B-Instruct), "
-        "or the served name when `path` is set.",
+        description="Model name: the served name; without `source` or `path`, a hub id resolved from the "
+        "model cache (e.g. Qwen/Qwen2.5-1.5B-Instruct).",
         min_length=1,
         max_length=253,
     )
+    source: str | None = Field(
+        default=None,
+        description="Where the weights come from: pvc://CLAIM/PATH (an existing claim in the run's "
+        "namespace), hf://ORG/NAME@REVISION (fetched once per run onto the run's volume by the "
+        "initializer), or oci://REGISTRY/IMAGE:TAG (an OCI image mounted read-only; Kubernetes image "
+        "volumes). `path` is then a directory inside the source.",
+        max_length=1024,
+        pattern=MODEL_SOURCE_PATTERN,
+    )
     path: str | None = Field(
         default=None,
-        description="Directory of a Hugging Face model on a mounted volume (absolute in the cluster; "
-        "relative to the run file for `grpo run`). Overrides resolution by name.",
+        description="With `source`: the model directory inside it (relative). Without: the directory of a "
+        "Hugging Face model on a mounted volume (absolute in the cluster; relative to the run file for "
+        "`grpo run`).",
         max_length=1024,
     )
     revision: str | None = Field(default=None, description="Revision (branch, tag or commit) of a hub model.")
+    hub: HubAccess | None = Field(default=None, description="Token and endpoint for an hf:// source.")
     dtype: ModelDType = Field(default=ModelDType.AUTO, description="Weights dtype for serving and training.")
+
+    @model_validator(mode="after")
+    def _source_path(self) -> ModelSpec:
+        _check_source_path("model", self.source, self.path)
+        if self.hub is not None and not (self.source or "").startswith("hf://"):
+            raise ValueError("model.hub applies only to an hf:// model.source")
+        return self
+
+
+def _check_source_path(section: str, source: str | None, path: str | None) -> None:
+    if source is not None and ".." in re.split(r"[/@]", source):
+        raise ValueError(f"{section}.source may not hold a '..' segment")
+    if source is None or path is None:
+        return
+    if path.startswith("/") or _has_dotdot(path) or not re.fullmatch(RELATIVE_PATH_PATTERN, path):
+        raise ValueError(
+            f"{section}.path must be a relative path inside {section}.source (no leading '/', no '..'), "
+            f"got {path!r}"
+        )
+
+
+def _source_rules(section: str) -> list[dict[str, str]]:
+    return [
+        _cel(
+            "!has(self.source) || !has(self.path) || (!self.path.startsWith('/') && "
+            f"self.path.matches('{RELATIVE_PATH_PATTERN}') && "
+            f"{NO_DOTDOT_CEL.replace('self', 'self.path')})",
+            f"{section}.path must be a relative path inside {section}.source (no leading '/', no '..')",
+            fieldPath=".path",
+        ),
+        _cel(
+            "!has(self.source) || !self.source.matches('(^|/)[.][.](/|@|$)')",
+            f"{section}.source may not hold a '..' segment",
+            fieldPath=".source",
+        ),
+        _cel(
+            "!has(self.hub) || (has(self.source) && self.source.startsWith('hf://'))",
+            f"{section}.hub applies only to an hf:// {section}.source",
+            fieldPath=".hub",
+        ),
+    ]
+
+
+MODEL_RULES = _source_rules("model")
 
 
 class DatasetFormat(StrEnum):
@@ -118,11 +290,23 @@ class PromptFormat(StrEnum):
 class DatasetSpec(ApiModel):
     """The prompts to train on: a file or a saved Hugging Face dataset on the volume."""
 
+    source: str | None = Field(
+        default=None,
+        description="Where the data comes from: pvc://CLAIM/PATH, hf://ORG/NAME@REVISION (a dataset "
+        "repository, fetched once per run), oci://REGISTRY/IMAGE:TAG (an image volume), or "
+        "configmap://NAME (small prompt sets; `path` is then the key). Without it, `path` is on a mounted "
+        "volume.",
+        max_length=1024,
+        pattern=DATASET_SOURCE_PATTERN,
+    )
     path: str = Field(
-        description="Path of a .jsonl or .parquet file, or of a directory written by `save_to_disk`.",
+        description="Path of a .jsonl or .parquet file, or of a directory written by `save_to_disk`: inside "
+        "`source` (relative) when it is set, else on a mounted volume (absolute in the cluster; relative "
+        "to the run file for `grpo run`).",
         min_length=1,
         max_length=1024,
     )
+    hub: HubAccess | None = Field(default=None, description="Token and endpoint for an hf:// source.")
     format: DatasetFormat = Field(default=DatasetFormat.AUTO, description="File format; auto by extension.")
     prompt_field: str = Field(default="prompt", description="Column that holds the prompt.", max_length=128)
     prompt_format: PromptFormat = Field(
@@ -132,13 +316,90 @@ class DatasetSpec(ApiModel):
     )
     split: str = Field(default="train", description="Split to use when the dataset directory holds several.")
 
+    @model_validator(mode="after")
+    def _source_path(self) -> DatasetSpec:
+        _check_source_path("dataset", self.source, self.path)
+        if self.hub is not None and not (self.source or "").startswith("hf://"):
+            raise ValueError("dataset.hub applies only to an hf:// dataset.source")
+        if (self.source or "").startswith("configmap://") and not re.fullmatch(KEY_PATTERN, self.path):
+            raise ValueError(f"dataset.path must be a key of the ConfigMap in dataset.source, got {self.path!r}")
+        return self
+
+
+DATASET_RULES = [
+    *_source_rules("dataset"),
+    _cel(
+        "!has(self.source) || !self.source.startsWith('configmap://') || "
+        f"self.path.matches('{KEY_PATTERN}')",
+        "dataset.path must be a key of the ConfigMap in dataset.source",
+        fieldPath=".path",
+    ),
+]
+
+#: Reward functions the trainer ships (services/grpo_trainer/rewards.py registers exactly these).
+BUILTIN_REWARDS: tuple[str, ...] = ("exact_match", "regex_match", "length_penalty", "token_fraction")
+
+
+class RewardCodeSpec(ApiModel):
+    """User reward modules: mounted read-only at /opt/grpo/rewards and importable by the trainer."""
+
+    source: str | None = Field(
+        default=None,
+        description="configmap://NAME (each key NAME.py is a module), oci://REGISTRY/IMAGE:TAG (an image "
+        "volume; `path` the directory of the modules in it), or pvc://CLAIM/PATH (a directory on a claim).",
+        max_length=1024,
+        pattern=CODE_SOURCE_PATTERN,
+    )
+    path: str | None = Field(
+        default=None, description="Directory of the modules inside an oci:// source (relative).", max_length=1024
+    )
+    inline: dict[str, str] = Field(
+        default_factory=dict,
+        description="Modules written in the spec: file name (NAME.py) to source, for a short function. The "
+        "operator puts them in a ConfigMap owned by the run.",
+        max_length=8,
+        json_schema_extra={"maxProperties": 8},
+    )
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> RewardCodeSpec:
+        if (self.source is None) == (not self.inline):
+            raise ValueError("rewardCode needs exactly one of source or inline")
+        _check_source_path("rewardCode", self.source, self.path)
+        for name, text in self.inline.items():
+            if not re.fullmatch(INLINE_MODULE_PATTERN, name):
+                raise ValueError(f"rewardCode.inline: {name!r} must be a module file name such as my_rewards.py")
+            if len(text.encode()) > MAX_INLINE_MODULE_BYTES:
+                raise ValueError(
+                    f"rewardCode.inline[{name}] is larger than {MAX_INLINE_MODULE_BYTES} bytes: use "
+                    "configmap:// (grpo stage --configmap) or an image"
+                )
+        return self
+
+
+INLINE_MODULE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,100}[.]py$"
+MAX_INLINE_MODULE_BYTES = 65536
+REWARD_CODE_RULES = [
+    _cel("has(self.source) != (has(self.inline) && size(self.inline) > 0)",
+         "rewardCode needs exactly one of source or inline"),
+    _cel(
+        f"!has(self.inline) || self.inline.all(k, k.matches('{INLINE_MODULE_PATTERN}') && "
+        f"size(self.inline[k]) <= {MAX_INLINE_MODULE_BYTES})",
+        f"rewardCode.inline keys must be module file names (NAME.py) and each module at most "
+        f"{MAX_INLINE_MODULE_BYTES} bytes",
+        fieldPath=".inline",
+    ),
+    *_source_rules("rewardCode")[:2],
+]
+
 
 class RewardSpec(ApiModel):
     """One reward function: a built-in by name or a user function by import path."""
 
     function: str = Field(
         description="A built-in (exact_match, regex_match, length_penalty, token_fraction) or "
-        "`module:function` of a user function with TRL's reward contract.",
+        "`module:function` of a user function with TRL's reward contract (modules from spec.rewardCode, "
+        "or installed in the trainer image).",
         min_length=1,
         max_length=512,
         pattern=r"^([a-z_]+|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$",
@@ -149,6 +410,23 @@ class RewardSpec(ApiModel):
         description="Keyword arguments for the function (e.g. {pattern: ...} for regex_match).",
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
     )
+
+    @model_validator(mode="after")
+    def _known_builtin(self) -> RewardSpec:
+        if ":" not in self.function and self.function not in BUILTIN_REWARDS:
+            raise ValueError(
+                f"function {self.function!r} is not a built-in ({', '.join(BUILTIN_REWARDS)}); "
+                "a user function is written module:function"
+            )
+        return self
+
+
+REWARD_RULES = [
+    _cel(
+        "self.contains(':') || self in [" + ", ".join(f"'{b}'" for b in BUILTIN_REWARDS) + "]",
+        "function must be a built-in (" + ", ".join(BUILTIN_REWARDS) + ") or module:function",
+    ),
+]
 
 
 class Mode(StrEnum):
@@ -167,14 +445,156 @@ class LogprobsSource(StrEnum):
     SAMPLER = "sampler"
 
 
+#: Volume names the operator uses in its pods; extra volumes may not take them.
+RESERVED_VOLUMES: tuple[str, ...] = ("run-config", "data", "dshm", "token", "model-cache")
+RESERVED_VOLUME_PREFIX = "src-"
+#: Label prefixes the operator owns (selectors depend on them).
+RESERVED_LABEL_PREFIXES: tuple[str, ...] = ("grpo.dev/", "app.kubernetes.io/")
+#: Where the operator mounts its own things; extra mounts may not shadow them.
+RESERVED_MOUNT_PREFIXES: tuple[str, ...] = ("/etc/grpo", "/var/run/grpo", "/mnt/grpo", "/opt/grpo", "/dev/shm")
+
+
+#: core/v1 Volume objects, kept as written (the API server checks them when the pods are created).
+EXTRA_VOLUMES_SCHEMA: dict[str, Any] = {
+    "items": {
+        "type": "object",
+        "x-kubernetes-preserve-unknown-fields": True,
+        "required": ["name"],
+        "properties": {
+            "name": {"type": "string", "pattern": DNS_LABEL_PATTERN, "maxLength": 63, "description": "Volume name."}
+        },
+    }
+}
+
+
+class VolumeMount(ApiModel):
+    """A mount of one of the extra volumes into the container."""
+
+    name: str = Field(description="Name of the volume.", min_length=1, max_length=63, pattern=DNS_LABEL_PATTERN)
+    mount_path: str = Field(
+        description="Absolute path in the container.", min_length=2, max_length=1024, pattern=r"^/[^:]*$"
+    )
+    sub_path: str | None = Field(
+        default=None, description="A sub-path of the volume (relative).", max_length=1024, pattern=r"^[^/].*$"
+    )
+    read_only: bool = Field(default=False, description="Mount read-only.")
+
+
+def _check_pod_settings(
+    section: str, pod_labels: dict[str, str], volumes: list[dict[str, Any]], mounts: list[VolumeMount]
+) -> None:
+    for key in pod_labels:
+        if key.startswith(RESERVED_LABEL_PREFIXES):
+            raise ValueError(f"{section}.podLabels: {key!r} is set by the operator")
+    names: list[str] = []
+    for index, volume in enumerate(volumes):
+        name = volume.get("name") if isinstance(volume, dict) else None
+        if not isinstance(name, str) or not re.fullmatch(DNS_LABEL_PATTERN, name) or len(name) > 63:
+            raise ValueError(f"{section}.volumes[{index}].name must be a DNS label, got {name!r}")
+        if name in RESERVED_VOLUMES or name.startswith(RESERVED_VOLUME_PREFIX):
+            raise ValueError(f"{section}.volumes[{index}].name {name!r} is used by the operator")
+        if name in names:
+            raise ValueError(f"{section}.volumes[{index}].name {name!r} is given twice")
+        names.append(name)
+    for index, mount in enumerate(mounts):
+        if mount.name not in names:
+            raise ValueError(f"{section}.volumeMounts[{index}].name {mount.name!r} is not in {section}.volumes")
+        if _shadows(mount.mount_path):
+            raise ValueError(
+                f"{section}.volumeMounts[{index}].mountPath {mount.mount_path!r} overlaps a path the operator "
+                f"mounts ({', '.join(RESERVED_MOUNT_PREFIXES)})"
+            )
+        if mount.sub_path is not None and _has_dotdot(mount.sub_path):
+            raise ValueError(f"{section}.volumeMounts[{index}].subPath may not hold '..'")
+
+
+def _shadows(path: str) -> bool:
+    path = path.rstrip("/") or "/"
+    return any(
+        path == p or path.startswith(p + "/") or p.startswith(path.rstrip("/") + "/")
+        for p in RESERVED_MOUNT_PREFIXES
+    )
+
+
+class PodSettings(ApiModel):
+    """Pod settings of one component (server, trainer): extra labels, annotations, volumes and mounts."""
+
+    #: The spec section these settings belong to, for messages.
+    section: ClassVar[str] = "pod"
+
+    pod_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra labels of the pods (not grpo.dev/* nor app.kubernetes.io/*, which the operator sets).",
+        json_schema_extra={"maxProperties": 64},
+    )
+    pod_annotations: dict[str, str] = Field(
+        default_factory=dict, description="Extra annotations of the pods.", json_schema_extra={"maxProperties": 64}
+    )
+    volumes: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Extra pod volumes (core/v1 Volume, e.g. a Secret, a ConfigMap, a claim); names must not "
+        "collide with the operator's (run-config, data, dshm, token, model-cache, src-*).",
+        max_length=32,
+        json_schema_extra=EXTRA_VOLUMES_SCHEMA,
+    )
+    volume_mounts: list[VolumeMount] = Field(
+        default_factory=list, description="Mounts of extra volumes into the container.", max_length=32
+    )
+
+
+    @model_validator(mode="after")
+    def _pod_settings(self) -> PodSettings:
+        _check_pod_settings(self.section, self.pod_labels, self.volumes, self.volume_mounts)
+        return self
+
+
+def pod_rules(section: str) -> list[dict[str, str]]:
+    reserved = ", ".join(f"'{v}'" for v in RESERVED_VOLUMES)
+    prefixes = " || ".join(f"k.startsWith('{p}')" for p in RESERVED_LABEL_PREFIXES)
+    return [
+        _cel(
+            f"!has(self.podLabels) || !self.podLabels.exists(k, {prefixes})",
+            f"{section}.podLabels may not set grpo.dev/* or app.kubernetes.io/* labels (the operator's)",
+            fieldPath=".podLabels",
+        ),
+        _cel(
+            f"!has(self.volumes) || self.volumes.all(v, !(v.name in [{reserved}]) && "
+            f"!v.name.startsWith('{RESERVED_VOLUME_PREFIX}'))",
+            f"{section}.volumes may not use the operator's volume names ({', '.join(RESERVED_VOLUMES)}, "
+            f"{RESERVED_VOLUME_PREFIX}*)",
+            fieldPath=".volumes",
+        ),
+        _cel(
+            "!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) && "
+            "self.volumes.exists(v, v.name == m.name))",
+            f"every {section}.volumeMounts[].name must be one of {section}.volumes",
+            fieldPath=".volumeMounts",
+        ),
+        _cel(
+            "!has(self.volumeMounts) || self.volumeMounts.all(m, !["
+            + ", ".join(f"'{p}'" for p in RESERVED_MOUNT_PREFIXES)
+            + "].exists(p, m.mountPath == p || m.mountPath.startsWith(p + '/') || "
+            "p.startsWith(m.mountPath.endsWith('/') ? m.mountPath : m.mountPath + '/')))",
+            f"{section}.volumeMounts may not overlap the operator's mounts ({', '.join(RESERVED_MOUNT_PREFIXES)})",
+            fieldPath=".volumeMounts",
+        ),
+    ]
+
+
 def _gpu_resources() -> Resources:
     return Resources(requests={"cpu": "4", "memory": "32Gi"}, limits={"nvidia.com/gpu": 1, "memory": "64Gi"})
 
 
-class ServerSpec(ApiModel):
+class ServerSpec(PodSettings):
     """The generation server: vLLM serving the base model plus the policy's current LoRA adapter."""
 
-    image: str = Field(default="ghcr.io/grpo-dev/grpo-server:0.1.0", description="Server container image.")
+    section: ClassVar[str] = "server"
+
+    image: str | None = Field(
+        default=None,
+        description="Server container image; default: the operator's (the chart's runImages.server).",
+        max_length=512,
+    )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="Image pull policy."
     )
@@ -223,7 +643,6 @@ class ServerSpec(ApiModel):
         default="8Gi", description="Size of the /dev/shm memory volume.", pattern=QUANTITY_PATTERN
     )
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.", max_length=64)
-
     @model_validator(mode="after")
     def _rank_supported(self) -> ServerSpec:
         if self.max_lora_rank not in VLLM_LORA_RANKS:
@@ -289,10 +708,17 @@ class ImportanceSamplingSpec(ApiModel):
     clip_max: float = Field(default=3.0, gt=1.0, description="Upper bound C of the ratio.")
 
 
-class TrainerSpec(ApiModel):
+class TrainerSpec(PodSettings):
     """The GRPO trainer (TRL GRPOTrainer + PEFT LoRA) and its settings."""
 
-    image: str = Field(default="ghcr.io/grpo-dev/grpo-trainer:0.1.0", description="Trainer container image.")
+    section: ClassVar[str] = "trainer"
+
+    image: str | None = Field(
+        default=None,
+        description="Trainer (and initializer) container image; default: the operator's (the chart's "
+        "runImages.trainer).",
+        max_length=512,
+    )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="Image pull policy."
     )
@@ -349,7 +775,6 @@ class TrainerSpec(ApiModel):
     )
     metrics_port: int = Field(default=9400, ge=1, le=65535, description="Port of the trainer's /metrics.")
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.", max_length=64)
-
     @property
     def generation_batch_size(self) -> int:
         return self.per_device_batch_size * self.gradient_accumulation_steps
@@ -406,6 +831,27 @@ class StorageSpec(ApiModel):
 
 def _default_storage() -> StorageSpec:
     return StorageSpec(size="20Gi")
+
+
+def _initializer_resources() -> Resources:
+    return Resources(requests={"cpu": "500m", "memory": "1Gi"}, limits={"memory": "8Gi"})
+
+
+class InitializerSpec(ApiModel):
+    """The run's initializer: one pod, before the first server, that fetches hf:// sources onto the run's
+    volume (resumable) and checks that the model, the dataset and every reward function can be loaded."""
+
+    resources: Resources = Field(
+        default_factory=_initializer_resources, description="Initializer container resources."
+    )
+    backoff_limit: int = Field(
+        default=3, ge=0, le=20,
+        description="Retries of a fetch that failed for a reason that may pass (network, hub); a missing "
+        "file, module or function is not retried.",
+    )
+    active_deadline_seconds: int | None = Field(
+        default=None, ge=60, description="Fail the run (SourceUnavailable) when the initializer takes longer."
+    )
 
 
 class CleanupPolicy(StrEnum):
@@ -467,6 +913,11 @@ class SchedulingSpec(ApiModel):
     service_account_name: str | None = Field(
         default=None, description="ServiceAccount of the pods; default is the namespace's default."
     )
+    image_pull_secrets: list[Annotated[str, Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)]] = Field(
+        default_factory=list,
+        description="Secrets (names, in the run's namespace) for pulling the images of the pods.",
+        max_length=16,
+    )
 
 
 IMMUTABLE = "{field} cannot change after the run is created"
@@ -511,11 +962,27 @@ class GRPORunSpec(ApiModel):
         description="Node placement of the pods.",
         json_schema_extra=_immutable("scheduling"),
     )
+    reward_code: RewardCodeSpec | None = Field(
+        default=None,
+        description="User reward modules (a ConfigMap, an image, a claim directory, or inline source), "
+        "importable by the trainer from a read-only mount.",
+        json_schema_extra=_immutable("rewardCode"),
+    )
+    initializer: InitializerSpec = Field(
+        default_factory=InitializerSpec,
+        description="The initializer that fetches and checks the sources once per run.",
+        json_schema_extra=_immutable("initializer"),
+    )
 
     @model_validator(mode="after")
     def _mode_matches_sections(self) -> GRPORunSpec:
         if self.mode == Mode.COLOCATE and self.server is not None:
             raise ValueError("mode colocate runs vLLM inside the trainer: remove the server section")
+        if self.mode == Mode.SERVER and "ReadWriteOncePod" in self.storage.access_modes:
+            raise ValueError(
+                "storage.accessModes: ReadWriteOncePod lets one pod mount the volume, but server mode runs a "
+                "server and a trainer on it; use ReadWriteOnce (same node) or ReadWriteMany"
+            )
         if self.mode == Mode.SERVER:
             server = self.effective_server
             if self.trainer.lora.r > server.max_lora_rank:
@@ -546,6 +1013,13 @@ SPEC_RULES: list[dict[str, str]] = [
         "spec.trainer.lora.r must not exceed spec.server.maxLoraRank "
         f"({ServerSpec.model_fields['max_lora_rank'].default} when spec.server is omitted)",
         fieldPath=".trainer.lora.r",
+    ),
+    _cel(
+        "self.mode == 'colocate' || !has(self.storage) || !has(self.storage.accessModes) || "
+        "!self.storage.accessModes.exists(m, m == 'ReadWriteOncePod')",
+        "spec.storage.accessModes: ReadWriteOncePod lets one pod mount the volume, but server mode runs a "
+        "server and a trainer on it; use ReadWriteOnce (same node) or ReadWriteMany",
+        fieldPath=".storage.accessModes",
     ),
 ]
 
@@ -584,6 +1058,7 @@ STORAGE_RULES: list[dict[str, str]] = [
 
 class Phase(StrEnum):
     PENDING = "Pending"
+    INITIALIZING = "Initializing"
     STARTING_SERVER = "StartingServer"
     TRAINING = "Training"
     SUSPENDED = "Suspended"
@@ -598,6 +1073,9 @@ class Reason(StrEnum):
     """Machine-readable reasons, a fixed set (used in status.reason and conditions)."""
 
     CREATED = "Created"
+    FETCHING_SOURCES = "FetchingSources"
+    SOURCES_READY = "SourcesReady"
+    SOURCE_UNAVAILABLE = "SourceUnavailable"
     WAITING_FOR_OLD_SERVER = "WaitingForOldServer"
     SERVER_STARTING = "ServerStarting"
     SERVER_READY = "HealthCheckPassed"
@@ -614,6 +1092,7 @@ class Reason(StrEnum):
 
 
 class ConditionType(StrEnum):
+    SOURCES_READY = "SourcesReady"
     SERVER_READY = "ServerReady"
     TRAINER_RUNNING = "TrainerRunning"
     SUCCEEDED = "Succeeded"
@@ -647,6 +1126,17 @@ class ServerStatus(ApiModel):
     )
 
 
+class SourcesStatus(ApiModel):
+    """The sources as the initializer left them: fetched once per run, before the first server."""
+
+    ready: bool = Field(default=False, description="The sources were fetched and checked.")
+    progress: str | None = Field(
+        default=None, description="The initializer's latest progress line (files and bytes fetched).",
+        max_length=1024,
+    )
+    completed_at: dt.datetime | None = Field(default=None, description="When the initializer succeeded.")
+
+
 class AdapterStatus(ApiModel):
     """The latest adapter the trainer published."""
 
@@ -668,8 +1158,8 @@ class GRPORunStatus(ApiModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    phase: Phase = Field(default=Phase.PENDING, description="Pending, StartingServer, Training, Suspended, "
-                         "Succeeded or Failed.")
+    phase: Phase = Field(default=Phase.PENDING, description="Pending, Initializing, StartingServer, Training, "
+                         "Suspended, Succeeded or Failed.")
     reason: str | None = Field(default=None, description="Reason of the latest phase change.")
     message: str | None = Field(default=None, description="Human-readable detail of the phase.")
     observed_generation: int | None = Field(default=None, description="Spec generation last acted on.")
@@ -688,6 +1178,9 @@ class GRPORunStatus(ApiModel):
     )
     attempt_started_at: dt.datetime | None = Field(
         default=None, description="When the current attempt began waiting for its server."
+    )
+    sources: SourcesStatus = Field(
+        default_factory=SourcesStatus, description="The initializer's fetch and checks of the sources."
     )
     server: ServerStatus = Field(default_factory=ServerStatus, description="The server of the attempt.")
     adapter: AdapterStatus = Field(default_factory=AdapterStatus, description="The latest adapter.")

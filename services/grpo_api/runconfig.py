@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from grpo_api.models import GRPORun, GRPORunSpec
 from grpo_api.protocol import ENV_RUN_CONFIG, ENV_SERVER_URL, ENV_TOKEN, ENV_TOKEN_FILE
+from grpo_api.sources import ResolvedSources, SourceError, local_sources
 
 RUN_CONFIG_KIND = "GRPORunConfig"
 RUN_CONFIG_FILE = "run-config.yaml"
@@ -76,6 +77,10 @@ class RunConfig(BaseModel):
     base_dir: str = Field(
         default="/", description="Directory that relative model and dataset paths are resolved against."
     )
+    sources: ResolvedSources = Field(
+        default_factory=ResolvedSources,
+        description="Where the sources landed (model directory, dataset, reward module directories).",
+    )
 
     def resolve(self, path: str) -> Path:
         """A spec path made absolute against base_dir."""
@@ -88,6 +93,14 @@ class RunConfig(BaseModel):
         Raises RunConfigError naming the field when neither resolves (no hub is contacted).
         """
         model = self.spec.model
+        if self.sources.model_dir is not None:
+            path = Path(self.sources.model_dir)
+            if not (path / "config.json").is_file():
+                raise RunConfigError(
+                    f"spec.model.source {model.source}: {path} is not a Hugging Face model directory "
+                    "(no config.json); check spec.model.path inside the source"
+                )
+            return path
         if model.path:
             path = self.resolve(model.path)
             if not (path / "config.json").is_file():
@@ -109,6 +122,22 @@ class RunConfig(BaseModel):
                 f"(HF_HOME={os.environ.get('HF_HOME', '~/.cache/huggingface')}); set spec.model.path "
                 f"or pre-fill the cache: {exc}"
             ) from exc
+
+    def dataset_path(self) -> Path:
+        """The dataset file or directory: inside its source, else spec.dataset.path."""
+        if self.sources.dataset_path is not None:
+            return Path(self.sources.dataset_path)
+        return self.resolve(self.spec.dataset.path)
+
+    def reward_search_paths(self) -> list[Path]:
+        """Where `module:function` rewards are imported from, first match wins: the reward code's
+        directories, the dataset's directory, the volume."""
+        dataset = self.dataset_path()
+        return [
+            *(Path(p) for p in self.sources.reward_paths),
+            dataset.parent if not dataset.is_dir() else dataset,
+            Path(self.paths.volume_root),
+        ]
 
     def read_token(self) -> str | None:
         """The run's bearer token: $GRPO_TOKEN, else the token file."""
@@ -164,10 +193,20 @@ def run_config_for(
     server_url: str,
     token_file: str | None,
     base_dir: str | Path = "/",
+    sources: ResolvedSources | None = None,
 ) -> RunConfig:
-    """The run-config for a run whose shared volume is mounted at volume_root."""
+    """The run-config for a run whose shared volume is mounted at volume_root.
+
+    Without `sources` (grpo run), hf:// sources land in the volume and cluster-only sources are
+    refused with the field named (RunConfigError)."""
     meta = run.metadata
+    if sources is None:
+        try:
+            sources = local_sources(run.spec, Path(volume_root))
+        except SourceError as exc:
+            raise RunConfigError(str(exc)) from exc
     return RunConfig(
+        sources=sources,
         run=RunRef(name=meta.name, namespace=meta.namespace or "default", uid=meta.uid or ""),
         spec=run.spec,
         paths=RunPaths.under(volume_root, meta.name),

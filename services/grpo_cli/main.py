@@ -16,6 +16,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "run": ("grpo_local.cli:run", "local", "Run a GRPORun file on this machine (server + trainer processes)."),
     "serve": ("grpo_server.cli:serve", "server", "Start the generation server (FastAPI + vLLM or transformers)."),
     "train": ("grpo_trainer.cli:train", "trainer", "Run the GRPO trainer of one attempt."),
+    "prepare": (
+        "grpo_trainer.cli:prepare",
+        "trainer",
+        "Fetch the run's hf:// sources and check model, dataset and rewards (the run's initializer).",
+    ),
     "operator": ("grpo_operator.cli:operator", "operator", "Run the Kubernetes operator (kopf)."),
     "stage": (
         "grpo_stage.cli:stage",

@@ -129,16 +129,15 @@ def _train(
     check_surface()
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    dataset_path = cfg.resolve(spec.dataset.path)
+    dataset_path = cfg.dataset_path()
     prompts_per_step = t.generation_batch_size // t.num_generations
     dataset = load_prompts(dataset_path, spec.dataset, tokenizer=tokenizer, max_prompt_length=t.max_prompt_length,
                            min_rows=prompts_per_step)
-    search_paths = [dataset_path.parent if dataset_path.is_file() else dataset_path, Path(cfg.paths.volume_root)]
     reward_funcs, weights = build_rewards(
         spec.rewards,
         RewardContext(max_completion_length=t.max_completion_length,
                       dataset_columns=tuple(dataset.column_names)),
-        search_paths,
+        cfg.reward_search_paths(),
     )
     try:
         args = GRPOConfig(**grpo_config_kwargs(spec, output_dir=cfg.paths.checkpoint_dir,

@@ -136,8 +136,28 @@ def test_operator_image_defaults_to_the_package_version(chart: Chart) -> None:
     assert chart_yaml["appVersion"] == VERSION == chart_yaml["version"]
     (container,) = pod_template(one(chart.render(), "Deployment"))["spec"]["containers"]
     assert container["image"] == f"ghcr.io/grpo-dev/grpo-operator:{VERSION}"
-    # The same registry as the run images the GRPORun defaults name.
-    assert sample_run().spec.effective_server.image.rsplit("/", 1)[0] == "ghcr.io/grpo-dev"
+    # The same registry and version as the run images the operator gives runs that name none.
+    params = operator_params(chart.render())
+    assert (params["server_image"], params["trainer_image"]) == (
+        f"ghcr.io/grpo-dev/grpo-server:{VERSION}", f"ghcr.io/grpo-dev/grpo-trainer:{VERSION}"
+    )
+
+
+def operator_params(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The `grpo operator` parameters the chart's Deployment passes."""
+    from grpo_operator.cli import operator
+
+    (container,) = pod_template(one(docs, "Deployment"))["spec"]["containers"]
+    return dict(operator.make_context("operator", list(container["args"])).params)
+
+
+def test_run_images_come_from_one_place_in_the_values(chart: Chart) -> None:
+    """A private registry is one setting: every run that names no image gets these."""
+    params = operator_params(chart.render({"runImages": {"server": "registry.corp/grpo/server:1.2",
+                                                          "trainer": "registry.corp/grpo/trainer:1.2"}}))
+    assert (params["server_image"], params["trainer_image"]) == (
+        "registry.corp/grpo/server:1.2", "registry.corp/grpo/trainer:1.2"
+    )
 
 
 def test_operator_runs_as_the_image_user(chart: Chart) -> None:

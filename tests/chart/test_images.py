@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from dockerfile_parse import DockerfileParser
 
-from grpo_api.models import ServerSpec, TrainerSpec
+from grpo_api.models import DEFAULT_SERVER_IMAGE, DEFAULT_TRAINER_IMAGE
 from grpo_cli.main import COMMANDS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -179,10 +179,11 @@ def test_heavy_layer_pins_equal_the_extras() -> None:
 
 
 def test_run_images_default_to_this_version() -> None:
-    """The GRPORun defaults name the images these Dockerfiles build, at the package version."""
-    for spec, image in ((ServerSpec(), "grpo-server"), (TrainerSpec(), "grpo-trainer")):
-        repository, tag = spec.image.rsplit(":", 1)
-        assert repository.endswith(f"/{image}") and tag == VERSION, spec.image
+    """The operator's default images name the images these Dockerfiles build, at the package version,
+    and the chart's defaults (empty runImages) render the same."""
+    for default, image in ((DEFAULT_SERVER_IMAGE, "grpo-server"), (DEFAULT_TRAINER_IMAGE, "grpo-trainer")):
+        repository, tag = default.rsplit(":", 1)
+        assert repository.endswith(f"/{image}") and tag == VERSION, default
 
 
 def dockerignored(path: str, patterns: list[str]) -> bool:

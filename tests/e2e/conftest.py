@@ -2,10 +2,10 @@
 
 `hack/images.sh build` builds the images from the project's Dockerfiles (cached by a hash of their
 inputs), `hack/cluster.sh up` starts a real single-node cluster (kubelet, containerd, CNI,
-kube-proxy, CoreDNS) and imports them. Then the tests do what a user does: `helm install` the chart
-with image overrides only, `grpo stage` the model, prompts and reward module onto a claim, and
-`kubectl apply` the CPU example. Everything is checked through the cluster's API (kubectl), never by
-reaching into the node's files.
+kube-proxy, CoreDNS) and imports them. Then the tests do what a user does: `helm install` the
+chart with image overrides only (the operator's and the runs'), `grpo stage` the model onto a
+claim and the prompts and reward module into ConfigMaps, and `kubectl apply` the CPU example.
+Everything is checked through the cluster's API (kubectl), never by reaching into the node's files.
 
 The cluster is stopped at the end of the session (`hack/cluster.sh down`) unless GRPO_E2E_KEEP=1.
 """
@@ -31,7 +31,8 @@ from tests.fixtures.controlplane import wait_for
 REPO = Path(__file__).resolve().parents[2]
 NAMESPACE = "grpo-e2e"
 RELEASE, RELEASE_NAMESPACE = "grpo", "grpo-system"
-CLAIM = "grpo-data"
+#: What examples/cpu-run.yaml reads: the model's claim and the ConfigMaps of its prompts and reward module.
+MODELS_CLAIM, PROMPTS_CONFIGMAP, REWARDS_CONFIGMAP = "grpo-models", "tiny-prompts", "tiny-rewards"
 IMAGE_BUILD_TIMEOUT_S = 45 * 60
 CLUSTER_UP_TIMEOUT_S = 15 * 60
 
@@ -143,6 +144,8 @@ def operator_release(node: Node) -> str:
     node.helm("upgrade", "--install", RELEASE, str(REPO / "charts" / "grpo-operator"), "-n", RELEASE_NAMESPACE,
               "--create-namespace", "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
               "--set", "image.pullPolicy=Never", "--set", f"watch.namespaces={{{NAMESPACE}}}",
+              "--set", f"runImages.server={node.images['grpo-server']}",
+              "--set", f"runImages.trainer={node.images['grpo-trainer']}",
               "--wait", "--timeout", "180s")
     return RELEASE
 
@@ -156,19 +159,21 @@ def staged(node: Node, operator_release: str, tmp_path_factory: pytest.TempPathF
     model = make_model(work / "tiny-model", preset="tiny", seed=0)
     prompts = make_dataset(work / "prompts.jsonl", model)
     grpo = str(Path(sys.executable).parent / "grpo")
-    _run([grpo, "stage", "-n", NAMESPACE, "--claim", CLAIM, "--create", "2Gi", "--access-mode", "ReadWriteMany",
-          "--image", node.images["grpo-trainer"], "--image-pull-policy", "Never",
-          f"{model}:models/tiny", f"{prompts}:datasets/prompts.jsonl",
-          f"{REPO / 'examples' / 'rewards' / 'target_tokens.py'}:datasets/target_tokens.py"], 600, env=node.env)
-    return CLAIM
+    _run([grpo, "stage", "-n", NAMESPACE, "--claim", MODELS_CLAIM, "--create", "2Gi",
+          "--access-mode", "ReadWriteMany", "--image", node.images["grpo-trainer"], "--image-pull-policy", "Never",
+          f"{model}:tiny"], 600, env=node.env)
+    _run([grpo, "stage", "-n", NAMESPACE, "--configmap", PROMPTS_CONFIGMAP, str(prompts)], 120, env=node.env)
+    _run([grpo, "stage", "-n", NAMESPACE, "--configmap", REWARDS_CONFIGMAP,
+          str(REPO / "examples" / "rewards" / "target_tokens.py")], 120, env=node.env)
+    return MODELS_CLAIM
 
 
 def example_run(node: Node, name: str, **trainer: Any) -> dict[str, Any]:
-    """examples/cpu-run.yaml as a user applies it, with the test images and the suite's namespace."""
+    """examples/cpu-run.yaml as a user applies it, in the suite's namespace; its images come from the
+    chart's runImages (the release is installed with the images built here)."""
     run: dict[str, Any] = yaml.safe_load((REPO / "examples" / "cpu-run.yaml").read_text())
     run["metadata"] = {"name": name, "namespace": NAMESPACE}
-    run["spec"]["server"].update(image=node.images["grpo-server"], imagePullPolicy="Never")
-    run["spec"]["trainer"].update(image=node.images["grpo-trainer"], imagePullPolicy="Never", **trainer)
+    run["spec"]["trainer"].update(**trainer)
     return run
 
 
@@ -217,19 +222,25 @@ def describe(node: Node, name: str) -> str:
 
 
 class VolumeReader:
-    """A pod that mounts the claim read-only, to read what the run wrote there (as a user would)."""
+    """Pods that mount a run's claim read-only, to read what the run wrote there (as a user would)."""
 
-    def __init__(self, node: Node, claim: str) -> None:
-        self.node, self.name = node, "volume-reader"
-        node.apply({
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.pods: dict[str, str] = {}
+
+    def _pod(self, claim: str) -> str:
+        if claim in self.pods:
+            return self.pods[claim]
+        name = f"reader-{claim}"[:63]
+        self.node.apply({
             "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": self.name, "namespace": NAMESPACE},
+            "metadata": {"name": name, "namespace": NAMESPACE},
             "spec": {
                 "restartPolicy": "Never", "automountServiceAccountToken": False,
                 "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
                                     "seccompProfile": {"type": "RuntimeDefault"}},
                 "containers": [{
-                    "name": "reader", "image": node.images["grpo-trainer"], "imagePullPolicy": "Never",
+                    "name": "reader", "image": self.node.images["grpo-trainer"], "imagePullPolicy": "Never",
                     "command": ["python3", "-c", "import time; time.sleep(7200)"],
                     "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
                     "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}],
@@ -237,24 +248,28 @@ class VolumeReader:
                 "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}],
             },
         })
-        node.kubectl("wait", "-n", NAMESPACE, "--for=condition=Ready", f"pod/{self.name}", "--timeout=180s",
-                     timeout=200)
+        self.node.kubectl("wait", "-n", NAMESPACE, "--for=condition=Ready", f"pod/{name}", "--timeout=180s",
+                          timeout=200)
+        self.pods[claim] = name
+        return name
 
-    def read(self, path: str) -> str:
-        return self.node.kubectl("exec", "-n", NAMESPACE, self.name, "--", "cat", path).stdout
+    def read(self, run: str, path: str) -> str:
+        """A file of the run's volume (the claim it made, `<run>-data`, mounted at /data)."""
+        return self.node.kubectl("exec", "-n", NAMESPACE, self._pod(f"{run}-data"), "--", "cat", path).stdout
 
-    def listdir(self, path: str) -> list[str]:
-        proc = self.node.kubectl("exec", "-n", NAMESPACE, self.name, "--", "ls", "-1", path, check=False)
+    def listdir(self, run: str, path: str) -> list[str]:
+        proc = self.node.kubectl("exec", "-n", NAMESPACE, self._pod(f"{run}-data"), "--", "ls", "-1", path,
+                                 check=False)
         return proc.stdout.split() if proc.returncode == 0 else []
 
     def history(self, run: str) -> list[dict[str, Any]]:
-        text = self.read(f"/data/progress/{run}.history.jsonl")
+        text = self.read(run, f"/data/progress/{run}.history.jsonl")
         return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 @pytest.fixture(scope="session")
 def volume(node: Node, staged: str) -> VolumeReader:
-    return VolumeReader(node, staged)
+    return VolumeReader(node)
 
 
 class LogFollower:

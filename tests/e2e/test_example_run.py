@@ -63,7 +63,7 @@ def test_example_run_trains_to_succeeded_on_the_node(node: Node, staged: str, vo
     events = node.list("events", "", NAMESPACE)
     reasons = [e["reason"] for e in events if e["involvedObject"].get("name") == RUN
                and e["involvedObject"].get("kind") == "GRPORun"]
-    for reason in ("Created", "ServerStarting", "TrainerRunning", "Completed"):
+    for reason in ("Created", "SourcesReady", "ServerStarting", "TrainerRunning", "Completed"):
         assert reason in reasons, f"no {reason} event; events: {reasons}"
 
     # the trainer's record on the volume: every step once, and the reward rose
@@ -75,11 +75,22 @@ def test_example_run_trains_to_succeeded_on_the_node(node: Node, staged: str, vo
     assert last >= 1.5 * first, f"reward did not rise enough: first-5 {first:.3f}, last-5 {last:.3f}: {rewards}"
 
     # adapters published on the PVC: the final version is there, with its manifest; older ones pruned
-    versions = sorted(int(v[1:]) for v in volume.listdir(f"/data/adapters/{RUN}") if re.fullmatch(r"v\d+", v))
+    versions = sorted(int(v[1:]) for v in volume.listdir(RUN, f"/data/adapters/{RUN}") if re.fullmatch(r"v\d+", v))
     assert versions and versions[-1] == MAX_STEPS, versions
     assert len(versions) <= 3, f"old adapter versions were not pruned: {versions}"
-    files = volume.listdir(f"/data/adapters/{RUN}/v{MAX_STEPS}")
+    files = volume.listdir(RUN, f"/data/adapters/{RUN}/v{MAX_STEPS}")
     assert "adapter_model.safetensors" in files and "adapter_config.json" in files, files
+
+    # the initializer ran once, in the trainer image, and read the sources the pods mount read-only
+    assert status["sources"]["ready"] and "sources ready" in (status["sources"].get("progress") or ""), status
+    init = node.get("job", f"{RUN}-init")
+    assert init is not None and init["status"].get("succeeded") == 1, init and init["status"]
+    (trainer_pod,) = node.list("pod", f"grpo.dev/run={RUN},grpo.dev/component=trainer")
+    mounts = {m["name"]: m for m in trainer_pod["spec"]["containers"][0]["volumeMounts"]}
+    assert all(mounts[name].get("readOnly") for name in ("src-claim-0", "src-dataset", "src-rewards")), mounts
+    # its own claim is ReadWriteOnce (the default): the trainer was placed on the server's node
+    affinity = trainer_pod["spec"]["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert affinity[0]["topologyKey"] == "kubernetes.io/hostname", affinity
 
     # the finished run gave its server back (cleanupPolicy StopServer) and the trainer Job completed
     deployment = node.get("deployment", f"{RUN}-server")

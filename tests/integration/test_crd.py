@@ -24,6 +24,28 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.controlplane
 
 
+#: Every kind of source and pod setting at once: admitted, and defaulted as the models default it.
+SOURCES_AND_POD_SETTINGS: dict[str, Any] = {
+    "model": {"name": "tiny", "source": "pvc://models/tiny", "dtype": "float32"},
+    "dataset": {"source": "configmap://prompts", "path": "prompts.jsonl"},
+    "rewards": [{"function": "target_tokens:share"}, {"function": "token_fraction", "args": {"low": 1, "high": 9}}],
+    "rewardCode": {"inline": {
+        "target_tokens.py": "def share(completions, **kw):\n    return [0.0] * len(completions)\n"}},
+    "server": {"env": [{"name": "API_KEY", "valueFrom": {"secretKeyRef": {"name": "keys", "key": "api"}}},
+                       {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+               "podLabels": {"team": "a"}, "podAnnotations": {"sidecar.istio.io/inject": "false"},
+               "volumes": [{"name": "certs", "secret": {"secretName": "ca"}}],
+               "volumeMounts": [{"name": "certs", "mountPath": "/etc/ssl/corp", "readOnly": True}]},
+    "trainer": {"env": [{"name": "WANDB_API_KEY",
+                         "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "wandb", "optional": True}}}],
+                "volumes": [{"name": "scratch", "emptyDir": {"sizeLimit": "1Gi"}}],
+                "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]},
+    "scheduling": {"imagePullSecrets": ["registry-creds"]},
+    "storage": {"size": "1Gi", "accessModes": ["ReadWriteMany"]},
+    "initializer": {"backoffLimit": 1, "activeDeadlineSeconds": 600},
+}
+
+
 @pytest.fixture
 def objects(control_plane: ControlPlane, grporun_crd: dict[str, Any]) -> Iterator[CustomObjectsApi]:
     from kubernetes import client
@@ -78,8 +100,13 @@ def test_kubectl_get_shows_the_printer_columns(control_plane: ControlPlane, grpo
     "spec_patch",
     [{}, {"server": {}}, {"mode": "colocate", "trainer": {"lora": {"r": 128}}},
      {"server": {"maxLoraRank": 128, "port": 8100}, "trainer": {"lora": {"r": 128}, "numGenerations": 4}},
-     {"storage": {"existingClaim": "shared"}}],
-    ids=["minimal", "server-section", "colocate", "custom", "existing-claim"],
+     {"storage": {"existingClaim": "shared"}}, SOURCES_AND_POD_SETTINGS,
+     {"model": {"name": "qwen", "source": "hf://Qwen/Qwen2.5-0.5B@7ae557604adf67be50417f59c2c2f167def9a775",
+                "hub": {"tokenSecretRef": {"name": "hf-token", "key": "token"}, "endpoint": "https://hf-mirror.corp"}},
+      "dataset": {"source": "oci://registry.corp:5000/data/gsm8k:v1", "path": "train.parquet"},
+      "rewardCode": {"source": "oci://registry.corp/rewards/math@sha256:" + "a" * 64, "path": "rewards"}}],
+    ids=["minimal", "server-section", "colocate", "custom", "existing-claim", "sources-and-pod-settings",
+         "hub-and-image-sources"],
 )
 def test_valid_run_is_accepted_and_defaulted_like_the_models(
     objects: CustomObjectsApi, namespace: str, spec_patch: dict[str, Any]

@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -254,7 +255,9 @@ class Kube:
             raise
 
     def jobs(self, run: str) -> list[Any]:
-        return list(self.batch.list_namespaced_job(self.namespace, label_selector=f"grpo.dev/run={run}").items)
+        """The run's trainer Jobs (its initializer Job is `job(f"{run}-init")`)."""
+        return list(self.batch.list_namespaced_job(
+            self.namespace, label_selector=f"grpo.dev/run={run},grpo.dev/component=trainer").items)
 
     def job(self, name: str) -> Any:
         try:
@@ -276,20 +279,71 @@ class Kube:
 
     def finish_trainer(self, job_name: str, succeeded: bool) -> None:
         """Mark the Job's pod terminated; the real Job controller then completes or fails the Job."""
+        self.finish_job_pods(job_name, "trainer", 0 if succeeded else 1)
+
+    def finish_job_pods(self, job_name: str, container: str, code: int, message: str = "") -> None:
         pods = wait_for(
             lambda: self.core.list_namespaced_pod(self.namespace, label_selector=f"job-name={job_name}").items,
             timeout=30, what=f"the Job controller to create the pod of {job_name}")
-        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        phase, code = ("Succeeded", 0) if succeeded else ("Failed", 1)
         for pod in pods:
-            self.core.patch_namespaced_pod_status(pod.metadata.name, self.namespace, {"status": {
-                "phase": phase,
-                "containerStatuses": [{
-                    "name": "trainer", "ready": False, "restartCount": 0, "image": "trainer", "imageID": "",
-                    "state": {"terminated": {"exitCode": code, "reason": "Completed" if succeeded else "Error",
-                                             "startedAt": now, "finishedAt": now}},
-                }],
-            }})
+            self.terminate_pod(pod.metadata.name, container, code, message)
+
+    def terminate_pod(self, pod: str, container: str, code: int, message: str = "") -> None:
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        terminated = {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
+                      "startedAt": now, "finishedAt": now}
+        if message:
+            terminated["message"] = message
+        self.core.patch_namespaced_pod_status(pod, self.namespace, {"status": {
+            "phase": "Succeeded" if code == 0 else "Failed",
+            "containerStatuses": [{
+                "name": container, "ready": False, "restartCount": 0, "image": container, "imageID": "",
+                "state": {"terminated": terminated},
+            }],
+        }})
+
+    def initializer_pods(self, run: str | None = None) -> list[Any]:
+        selector = "grpo.dev/component=initializer" + (f",grpo.dev/run={run}" if run else "")
+        return list(self.core.list_namespaced_pod(self.namespace, label_selector=selector).items)
+
+
+class InitializerKubelet:
+    """Plays the kubelet for initializer pods: each one succeeds, as `grpo prepare` does when the
+    sources are fine, unless the test set an exit code (and termination message) for its run."""
+
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
+        #: Per run, the exit codes and termination messages of its next initializer pods, in order;
+        #: once used up, pods succeed.
+        self.outcomes: dict[str, list[tuple[int, str]]] = {}
+        self.finished: list[str] = []
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="initializer-kubelet", daemon=True)
+
+    def fail(self, run: str, code: int, message: str, times: int = 1) -> None:
+        self.outcomes.setdefault(run, []).extend([(code, message)] * times)
+
+    def _loop(self) -> None:
+        while not self.stopped.wait(0.2):
+            with contextlib.suppress(Exception):
+                for pod in self.kube.initializer_pods():
+                    name = pod.metadata.name
+                    if name in self.finished or pod.status.phase in ("Succeeded", "Failed"):
+                        continue
+                    queue = self.outcomes.get(pod.metadata.labels.get("grpo.dev/run", ""), [])
+                    code, message = queue[0] if queue else (0, "")
+                    self.kube.terminate_pod(name, "initializer", code, message)
+                    self.finished.append(name)
+                    if queue:
+                        queue.pop(0)
+
+    def __enter__(self) -> InitializerKubelet:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=5)
 
 
 def run_spec(**overrides: Any) -> dict[str, Any]:
@@ -318,6 +372,17 @@ def run_spec(**overrides: Any) -> dict[str, Any]:
 def kube(control_plane: ControlPlane, namespace: str) -> Iterator[Kube]:
     with control_plane.api_client() as api:
         yield Kube(api, namespace)
+
+
+@pytest.fixture(autouse=True)
+def initializers(request: pytest.FixtureRequest) -> Iterator[InitializerKubelet | None]:
+    """Initializer pods of the test's namespace succeed by themselves (tests that use `kube`)."""
+    if "kube" not in request.fixturenames:
+        yield None
+        return
+    kube: Kube = request.getfixturevalue("kube")
+    with InitializerKubelet(kube) as kubelet:
+        yield kubelet
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_api.models import TrainerSpec
+from grpo_api.models import DEFAULT_TRAINER_IMAGE
 from grpo_operator.builders import NON_ROOT_UID
 from grpo_stage import manifests as m
 from grpo_stage.errors import StageError
@@ -170,7 +170,7 @@ def test_stage_uid_is_the_operators() -> None:
 def test_default_image_is_the_trainers() -> None:
     from grpo_stage.cli import DEFAULT_IMAGE
 
-    assert TrainerSpec().image == DEFAULT_IMAGE
+    assert DEFAULT_TRAINER_IMAGE == DEFAULT_IMAGE
 
 
 def test_receiver_command() -> None:

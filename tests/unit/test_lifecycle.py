@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from grpo_api.lifecycle import (
+    CreateInitializer,
     CreateTrainer,
     Decision,
     DeleteRun,
@@ -87,8 +88,11 @@ def status(
     completed: float | None = None,
     reason: str | None = None,
     failed: int = 0,
+    sources_ready: bool | None = None,
 ) -> GRPORunStatus:
     st = GRPORunStatus(phase=phase, attempt=attempt, reason=reason, failed_attempts=failed)
+    # Past the initializer unless told otherwise: every phase but Pending and Initializing.
+    st.sources.ready = phase not in (Phase.PENDING, Phase.INITIALIZING) if sources_ready is None else sources_ready
     st.server.boot_id = boot_id
     st.server.ready = ready
     if phase != Phase.PENDING:
@@ -125,24 +129,87 @@ class Case:
 
 CASES = [
     Case(
-        "new run provisions and starts attempt 1 with a fresh server",
+        "new run provisions and starts its initializer, no server yet",
         status(),
         Observation(now=at(0)),
-        phase=Phase.STARTING_SERVER,
+        phase=Phase.INITIALIZING,
         reason=Reason.CREATED,
-        attempt=1,
-        actions=[Provision(), EnsureServer(1, 1)],
+        attempt=0,
+        actions=[Provision(), CreateInitializer()],
         events=[("Normal", Reason.CREATED)],
     ),
     Case(
-        "new colocate run creates only the trainer",
+        "new colocate run starts its initializer too",
         status(),
         Observation(now=at(0)),
         spec=make_spec("colocate"),
-        phase=Phase.TRAINING,
+        phase=Phase.INITIALIZING,
         reason=Reason.CREATED,
+        attempt=0,
+        actions=[Provision(), CreateInitializer()],
+    ),
+    Case(
+        "the initializer's progress shows in the message while it runs",
+        status(Phase.INITIALIZING, 0, reason=Reason.CREATED),
+        Observation(now=at(30), initializer=TrainerState.ACTIVE, initializer_progress="model: 3/7 files"),
+        phase=Phase.INITIALIZING,
+        reason=Reason.FETCHING_SOURCES,
+        attempt=0,
+        actions=[CreateInitializer()],
+        message_has="model: 3/7 files",
+    ),
+    Case(
+        "sources ready starts attempt 1 with a fresh server",
+        status(Phase.INITIALIZING, 0, reason=Reason.FETCHING_SOURCES),
+        Observation(now=at(40), initializer=TrainerState.SUCCEEDED, initializer_progress="sources ready: ..."),
+        phase=Phase.STARTING_SERVER,
+        reason=Reason.SOURCES_READY,
         attempt=1,
-        actions=[Provision(), CreateTrainer(1)],
+        failed_after=0,
+        actions=[EnsureServer(1, 1)],
+        events=[("Normal", Reason.SOURCES_READY)],
+    ),
+    Case(
+        "sources ready starts the trainer of attempt 1 in colocate mode",
+        status(Phase.INITIALIZING, 0, reason=Reason.FETCHING_SOURCES),
+        Observation(now=at(40), initializer=TrainerState.SUCCEEDED),
+        spec=make_spec("colocate"),
+        phase=Phase.TRAINING,
+        reason=Reason.SOURCES_READY,
+        attempt=1,
+        actions=[CreateTrainer(1)],
+    ),
+    Case(
+        "a failed initializer fails the run, no server, no retry of attempts",
+        status(Phase.INITIALIZING, 0, reason=Reason.FETCHING_SOURCES),
+        Observation(now=at(40), initializer=TrainerState.FAILED,
+                    initializer_message="spec.rewards[0]: cannot import module 'mine'"),
+        spec=make_spec(backoffLimit=5),
+        phase=Phase.FAILED,
+        reason=Reason.SOURCE_UNAVAILABLE,
+        attempt=0,
+        failed_after=0,
+        actions=[StopServer()],
+        events=[("Warning", Reason.SOURCE_UNAVAILABLE)],
+        message_has="cannot import module 'mine'",
+    ),
+    Case(
+        "a gone initializer is created again (it resumes)",
+        status(Phase.INITIALIZING, 0, reason=Reason.FETCHING_SOURCES),
+        Observation(now=at(40)),
+        phase=Phase.INITIALIZING,
+        reason=Reason.FETCHING_SOURCES,
+        attempt=0,
+        actions=[CreateInitializer()],
+    ),
+    Case(
+        "the active deadline also bounds the initializer",
+        status(Phase.INITIALIZING, 0, reason=Reason.FETCHING_SOURCES),
+        Observation(now=at(100), initializer=TrainerState.ACTIVE),
+        spec=make_spec(activeDeadlineSeconds=60),
+        phase=Phase.FAILED,
+        reason=Reason.DEADLINE_EXCEEDED,
+        attempt=0,
     ),
     Case(
         "run created suspended starts nothing",
@@ -355,12 +422,13 @@ CASES = [
         events=[("Normal", Reason.RESUMED)],
     ),
     Case(
-        "resuming a run created suspended starts attempt 1",
-        status(Phase.SUSPENDED, 0, reason=Reason.SUSPENDED, start=None),
+        "resuming a run created suspended starts its initializer",
+        status(Phase.SUSPENDED, 0, reason=Reason.SUSPENDED, start=None, sources_ready=False),
         Observation(now=at(10)),
-        phase=Phase.STARTING_SERVER,
+        phase=Phase.INITIALIZING,
         reason=Reason.RESUMED,
-        attempt=1,
+        attempt=0,
+        actions=[Provision(), CreateInitializer()],
     ),
     Case(
         "succeeded stays succeeded whatever is observed",
@@ -591,7 +659,7 @@ def test_set_condition_updates_reason_in_place_and_keeps_one_entry_per_type() ->
 def test_conditions_serialise_in_metav1_shape() -> None:
     decision = decide(make_spec(), status(), Observation(now=at(0)), generation=4)
     wire = decision.status.to_wire()["conditions"]
-    assert {c["type"] for c in wire} == {"ServerReady", "TrainerRunning"}
+    assert {c["type"] for c in wire} == {"SourcesReady", "ServerReady", "TrainerRunning"}
     for cond in wire:
         assert set(cond) == {
             "type",
@@ -669,8 +737,12 @@ def test_whole_run_one_failure_then_success() -> None:
         phases.append((d.status.phase, d.status.attempt))
         return d
 
-    step(0)
-    step(2, health=UNREACHABLE)
+    assert CreateInitializer() in step(0).actions
+    step(1, initializer=TrainerState.ACTIVE)
+    # The initializer's success starts attempt 1; it is not looked at again.
+    assert EnsureServer(1, 1) in step(2, initializer=TrainerState.SUCCEEDED).actions
+    assert st.sources.ready
+    step(3, health=UNREACHABLE)
     assert CreateTrainer(1) in step(4, health=healthy("boot-1")).actions
     step(20, health=healthy("boot-1", adapter=2), trainer=TrainerState.ACTIVE)
     assert EnsureServer(2, 1) in step(30, trainer=TrainerState.FAILED).actions
@@ -681,6 +753,8 @@ def test_whole_run_one_failure_then_success() -> None:
     assert done.status.phase == Phase.SUCCEEDED and done.status.attempt == 2
     assert done.status.failed_attempts == 1
     assert [p for p, _ in phases] == [
+        Phase.INITIALIZING,
+        Phase.INITIALIZING,
         Phase.STARTING_SERVER,
         Phase.STARTING_SERVER,
         Phase.TRAINING,

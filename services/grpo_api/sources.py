@@ -1,0 +1,295 @@
+"""Where a run's model, dataset and reward code come from, and where its processes find them.
+
+A source is a URI in the spec (`model.source`, `dataset.source`, `rewardCode.source`):
+
+- `pvc://CLAIM/PATH`: an existing PersistentVolumeClaim of the run's namespace, mounted read-only;
+- `hf://[ORG/]NAME[@REVISION]`: a Hugging Face repository, fetched once per run by the initializer
+  onto the run's volume (`<volume>/hub/<models|datasets>/<repo>/<revision>`, shared by the runs of
+  a claim, resumable);
+- `oci://REFERENCE`: an OCI image mounted read-only (a Kubernetes image volume);
+- `configmap://NAME`: a ConfigMap of the run's namespace (datasets and reward code).
+
+This module is pure: `cluster_layout` says which volumes the pods need and where the paths land
+in them (the operator's builders turn it into pod specs), `local_sources` does the same for
+`grpo run`, which has no cluster. Both produce `ResolvedSources`, carried in the run-config, so the
+initializer, server and trainer read one answer.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from grpo_api.models import DatasetSpec, GRPORunSpec, ModelSpec
+
+#: Where sources are mounted in the pods.
+SOURCES_ROOT = "/mnt/grpo"
+CLAIMS_ROOT = f"{SOURCES_ROOT}/claims"
+REWARDS_DIR = "/opt/grpo/rewards"
+#: Env variables that carry the hub tokens into the initializer (never into the server or trainer).
+MODEL_TOKEN_ENV = "GRPO_HF_TOKEN_MODEL"
+DATASET_TOKEN_ENV = "GRPO_HF_TOKEN_DATASET"
+DEFAULT_REVISION = "main"
+
+
+class SourceError(ValueError):
+    """A source that cannot be used here; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ClaimSource:
+    claim: str
+    path: str  # inside the claim, "" for its root
+
+
+@dataclass(frozen=True)
+class HubSource:
+    repo_id: str
+    revision: str | None
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    reference: str
+
+
+@dataclass(frozen=True)
+class ConfigMapSource:
+    name: str
+
+
+Source = ClaimSource | HubSource | ImageSource | ConfigMapSource
+
+
+def parse_source(uri: str, field: str) -> Source:
+    """One source URI (already pattern-checked at admission) as a typed value."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep or not rest:
+        raise SourceError(f"{field}: {uri!r} is not SCHEME://... (pvc, hf, oci or configmap)")
+    if ".." in rest.replace("@", "/").split("/"):
+        raise SourceError(f"{field}: {uri!r} may not hold a '..' segment")
+    if scheme == "pvc":
+        claim, _, path = rest.partition("/")
+        return ClaimSource(claim, path.strip("/"))
+    if scheme == "hf":
+        repo, _, revision = rest.partition("@")
+        return HubSource(repo, revision or None)
+    if scheme == "oci":
+        return ImageSource(rest)
+    if scheme == "configmap":
+        return ConfigMapSource(rest)
+    raise SourceError(f"{field}: unknown scheme {scheme!r} in {uri!r} (pvc, hf, oci or configmap)")
+
+
+class HubFetch(BaseModel):
+    """One hf:// repository the initializer fetches."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    field: str = Field(description="The spec field that named it, e.g. spec.model.source.")
+    repo_id: str
+    revision: str = DEFAULT_REVISION
+    repo_type: Literal["model", "dataset"]
+    local_dir: str = Field(description="Where the files land (on the run's volume).")
+    token_env: str | None = Field(default=None, description="Env variable holding the token, if any.")
+    endpoint: str | None = None
+
+
+class ResolvedSources(BaseModel):
+    """Where the processes of a run find its model, dataset and reward modules."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_dir: str | None = Field(default=None, description="The model directory; None: resolve spec.model.")
+    dataset_path: str | None = Field(default=None, description="The dataset; None: spec.dataset.path.")
+    reward_paths: list[str] = Field(default_factory=list, description="Directories reward modules import from.")
+    fetches: list[HubFetch] = Field(default_factory=list, description="hf:// repositories to fetch first.")
+    inline_rewards_dir: str | None = Field(
+        default=None, description="Where the initializer writes spec.rewardCode.inline (grpo run only)."
+    )
+
+
+@dataclass(frozen=True)
+class SourceVolume:
+    """A volume the pods mount for a source (the builders make the core/v1 Volume of it)."""
+
+    name: str
+    mount_path: str
+    kind: Literal["claim", "image", "configmap"]
+    ref: str  # claim name, image reference or ConfigMap name
+
+
+@dataclass(frozen=True)
+class ClusterLayout:
+    volumes: tuple[SourceVolume, ...]
+    sources: ResolvedSources
+
+    @property
+    def claims(self) -> tuple[str, ...]:
+        return tuple(v.ref for v in self.volumes if v.kind == "claim")
+
+
+def hub_dir(volume_root: str, repo_type: str, source: HubSource) -> str:
+    """Where an hf:// repository lands on a volume: shared by the runs of the claim, one directory per
+    revision."""
+    return posixpath.join(volume_root, "hub", f"{repo_type}s", source.repo_id, source.revision or DEFAULT_REVISION)
+
+
+def _hub_fetch(
+    role: Literal["model", "dataset"], section: ModelSpec | DatasetSpec, source: HubSource, field: str,
+    volume_root: str, token_env: str,
+) -> HubFetch:
+    hub = section.hub
+    return HubFetch(
+        field=field,
+        repo_id=source.repo_id,
+        revision=source.revision or DEFAULT_REVISION,
+        repo_type=role,
+        local_dir=hub_dir(volume_root, role, source),
+        token_env=token_env if hub is not None and hub.token_secret_ref is not None else None,
+        endpoint=hub.endpoint if hub is not None else None,
+    )
+
+
+def _join(root: str, path: str | None) -> str:
+    return posixpath.join(root, path) if path else root
+
+
+class _ClusterBuilder:
+    def __init__(self, spec: GRPORunSpec, data_claim: str, inline_configmap: str) -> None:
+        self.spec = spec
+        self.data_claim = data_claim
+        self.data_root = spec.storage.mount_path
+        self.inline_configmap = inline_configmap
+        self.volumes: list[SourceVolume] = []
+        self.fetches: list[HubFetch] = []
+
+    def claim_root(self, claim: str) -> str:
+        if claim == self.data_claim:
+            return self.data_root
+        for volume in self.volumes:
+            if volume.kind == "claim" and volume.ref == claim:
+                return volume.mount_path
+        mount = posixpath.join(CLAIMS_ROOT, claim)
+        self.volumes.append(SourceVolume(f"src-claim-{len(self.volumes)}", mount, "claim", claim))
+        return mount
+
+    def mounted(self, role: str, kind: Literal["image", "configmap"], ref: str, mount: str) -> str:
+        self.volumes.append(SourceVolume(f"src-{role}", mount, kind, ref))
+        return mount
+
+    def resolve(
+        self, role: Literal["model", "dataset"], uri: str, path: str | None, field: str, token_env: str
+    ) -> str:
+        source = parse_source(uri, field)
+        section = self.spec.model if role == "model" else self.spec.dataset
+        match source:
+            case ClaimSource(claim=claim, path=inner):
+                return _join(_join(self.claim_root(claim), inner), path)
+            case HubSource():
+                fetch = _hub_fetch(role, section, source, field, self.data_root, token_env)
+                self.fetches.append(fetch)
+                return _join(fetch.local_dir, path)
+            case ImageSource(reference=ref):
+                return _join(self.mounted(role, "image", ref, posixpath.join(SOURCES_ROOT, role)), path)
+            case ConfigMapSource(name=name):
+                if role == "model":
+                    raise SourceError(f"{field}: a model cannot come from a ConfigMap")
+                return _join(self.mounted(role, "configmap", name, posixpath.join(SOURCES_ROOT, role)), path)
+        raise SourceError(f"{field}: unsupported source {uri!r}")  # pragma: no cover - exhaustive match
+
+    def rewards(self) -> list[str]:
+        code = self.spec.reward_code
+        if code is None:
+            return []
+        if code.inline:
+            self.volumes.append(SourceVolume("src-rewards", REWARDS_DIR, "configmap", self.inline_configmap))
+            return [REWARDS_DIR]
+        assert code.source is not None
+        source = parse_source(code.source, "spec.rewardCode.source")
+        match source:
+            case ClaimSource(claim=claim, path=inner):
+                return [_join(_join(self.claim_root(claim), inner), code.path)]
+            case ImageSource(reference=ref):
+                self.volumes.append(SourceVolume("src-rewards", REWARDS_DIR, "image", ref))
+                return [_join(REWARDS_DIR, code.path)]
+            case ConfigMapSource(name=name):
+                self.volumes.append(SourceVolume("src-rewards", REWARDS_DIR, "configmap", name))
+                return [REWARDS_DIR]
+        raise SourceError(f"spec.rewardCode.source: {code.source!r} cannot hold reward code")
+
+
+def cluster_layout(spec: GRPORunSpec, *, data_claim: str, inline_rewards_configmap: str) -> ClusterLayout:
+    """The source volumes every pod of the run mounts, and where the paths land in them."""
+    builder = _ClusterBuilder(spec, data_claim, inline_rewards_configmap)
+    model_dir = dataset_path = None
+    if spec.model.source is not None:
+        model_dir = builder.resolve("model", spec.model.source, spec.model.path, "spec.model.source", MODEL_TOKEN_ENV)
+    if spec.dataset.source is not None:
+        dataset_path = builder.resolve(
+            "dataset", spec.dataset.source, spec.dataset.path, "spec.dataset.source", DATASET_TOKEN_ENV
+        )
+    reward_paths = builder.rewards()
+    return ClusterLayout(
+        volumes=tuple(builder.volumes),
+        sources=ResolvedSources(
+            model_dir=model_dir, dataset_path=dataset_path, reward_paths=reward_paths, fetches=builder.fetches
+        ),
+    )
+
+
+def local_sources(spec: GRPORunSpec, volume_root: Path) -> ResolvedSources:
+    """`grpo run`: hf:// fetched into the run directory, inline reward modules written there; the
+    cluster-only kinds (pvc, oci, configmap) are refused with the field named."""
+    root = str(volume_root)
+    fetches: list[HubFetch] = []
+    resolved: dict[str, str | None] = {"model": None, "dataset": None}
+    roles: tuple[tuple[Literal["model", "dataset"], ModelSpec | DatasetSpec, str], ...] = (
+        ("model", spec.model, MODEL_TOKEN_ENV),
+        ("dataset", spec.dataset, DATASET_TOKEN_ENV),
+    )
+    for role, section, token_env in roles:
+        if section.source is None:
+            continue
+        field = f"spec.{role}.source"
+        source = parse_source(section.source, field)
+        if not isinstance(source, HubSource):
+            raise SourceError(
+                f"{field}: {section.source!r} names a cluster object; `grpo run` reads local files: set "
+                f"spec.{role}.path instead (or use hf://)"
+            )
+        fetch = _hub_fetch(role, section, source, field, root, token_env)
+        fetches.append(fetch)
+        resolved[role] = _join(fetch.local_dir, section.path)
+    reward_paths: list[str] = []
+    inline_dir: str | None = None
+    code = spec.reward_code
+    if code is not None:
+        if code.source is not None:
+            raise SourceError(
+                f"spec.rewardCode.source: {code.source!r} names a cluster object; `grpo run` imports reward "
+                "modules from the dataset's directory, the run file's directory or rewardCode.inline"
+            )
+        inline_dir = posixpath.join(root, "rewards")
+        reward_paths.append(inline_dir)
+    return ResolvedSources(
+        model_dir=resolved["model"],
+        dataset_path=resolved["dataset"],
+        reward_paths=reward_paths,
+        fetches=fetches,
+        inline_rewards_dir=inline_dir,
+    )
+
+
+def hub_tokens(spec: GRPORunSpec) -> list[tuple[str, str, str]]:
+    """(env name, Secret name, key) of each hub token the initializer needs."""
+    tokens = []
+    for section, env in ((spec.model, MODEL_TOKEN_ENV), (spec.dataset, DATASET_TOKEN_ENV)):
+        if (section.source or "").startswith("hf://") and section.hub is not None and section.hub.token_secret_ref:
+            ref = section.hub.token_secret_ref
+            tokens.append((env, ref.name, ref.key))
+    return tokens

@@ -1,0 +1,618 @@
+"""`grpo prepare`: the run's initializer, once per run before any server or trainer starts.
+
+1. writes `spec.rewardCode.inline` into `sources.inline_rewards_dir` (`grpo run` only);
+2. fetches every hf:// source (`sources.fetches`) onto the volume, resumably: files already complete
+   (per huggingface_hub's local-dir metadata) are not downloaded again, a failed run keeps the files
+   it finished;
+3. checks what the server and trainer will read, in their order: the model directory and its
+   tokenizer, the dataset (as the trainer loads it), the reward functions (imported as the trainer
+   imports them);
+
+and says so on stdout in the protocol of `grpo_api.prepare_protocol`. A failure is permanent (exit 2:
+a configuration problem, the message names the field) or transient (exit 1: the network or the hub;
+the Job retries and the download resumes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, cast
+
+from grpo_api.prepare_protocol import (
+    DEFAULT_TERMINATION_LOG,
+    DONE,
+    ENV_TERMINATION_LOG,
+    EXIT_PERMANENT,
+    EXIT_READY,
+    EXIT_TRANSIENT,
+    FAILED,
+    PROGRESS,
+    format_event,
+)
+from grpo_api.runconfig import RunConfig, RunConfigError, load_run_config
+from grpo_api.sources import HubFetch
+
+#: At most one throttled progress line per fetch this often (a finished file always gets one).
+PROGRESS_INTERVAL_S = 5.0
+#: Files downloaded in parallel per repository (huggingface_hub's snapshot_download uses 8 too).
+FETCH_WORKERS = 8
+#: Written into local_dir after a complete fetch: lets a later run start while the hub is unreachable.
+FETCH_RECORD = ".cache/grpo-fetch.json"
+
+_MODULE_FILE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,100}\.py")
+
+
+class PrepareFailed(Exception):
+    """The run cannot start; permanent: no retry fixes it (exit 2), else transient (exit 1)."""
+
+    def __init__(self, message: str, *, permanent: bool) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    model_dir: Path
+    dataset_path: Path
+    prompts: int
+    rewards: int
+
+    @property
+    def message(self) -> str:
+        return (
+            f"sources ready: model {self.model_dir}, dataset {self.dataset_path} ({self.prompts} prompts), "
+            f"{self.rewards} reward function{'s' if self.rewards != 1 else ''}"
+        )
+
+
+class Reporter:
+    """Protocol lines on stdout, plain notes on stderr; never a secret (hub tokens are masked)."""
+
+    def __init__(self, out: IO[str] | None = None, err: IO[str] | None = None) -> None:
+        self.out = out if out is not None else sys.stdout
+        self.err = err if err is not None else sys.stderr
+        self._secrets: list[str] = []
+        self._lock = threading.Lock()
+
+    def add_secret(self, value: str | None) -> None:
+        if value and value not in self._secrets:
+            self._secrets.append(value)
+
+    def redact(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def _write(self, stream: IO[str], line: str) -> None:
+        with self._lock:
+            stream.write(line + "\n")
+            stream.flush()
+
+    def progress(self, message: str) -> None:
+        self._write(self.out, format_event(PROGRESS, self.redact(message)))
+
+    def note(self, message: str) -> None:
+        self._write(self.err, f"grpo prepare: {self.redact(message)}")
+
+    def final(self, message: str, *, failed: bool, permanent: bool = False) -> str:
+        """Print the last line; returns it (the termination message)."""
+        line = (
+            format_event(FAILED, self.redact(message), permanent=permanent)
+            if failed
+            else format_event(DONE, self.redact(message))
+        )
+        self._write(self.out, line)
+        return line
+
+
+# ------------------------------------------------------------------------------------------ inline rewards
+
+
+def write_inline_rewards(cfg: RunConfig, reporter: Reporter) -> None:
+    """spec.rewardCode.inline into sources.inline_rewards_dir, each file atomically."""
+    target = cfg.sources.inline_rewards_dir
+    code = cfg.spec.reward_code
+    if target is None or code is None or not code.inline:
+        return
+    directory = Path(target)
+    for name in code.inline:
+        if "/" in name or "\\" in name or ".." in name or not _MODULE_FILE.fullmatch(name):
+            raise PrepareFailed(
+                f"spec.rewardCode.inline: {name!r} is not a module file name such as my_rewards.py", permanent=True
+            )
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, text in code.inline.items():
+            fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write(text)
+                os.replace(tmp, directory / name)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+    except OSError as exc:
+        raise PrepareFailed(f"spec.rewardCode.inline: cannot write {directory}: {exc}", permanent=True) from exc
+    reporter.progress(f"wrote {len(code.inline)} inline reward module(s) to {directory}")
+
+
+# -------------------------------------------------------------------------------------------- hub fetch
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover - loop returns
+
+
+@dataclass(frozen=True)
+class HubErrorInfo:
+    permanent: bool
+    reason: str
+    status: int | None = None
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and all(current is not seen for seen in chain):
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
+def classify_hub_error(exc: BaseException) -> HubErrorInfo:
+    """Permanent (repository, revision, access, a non-Hub endpoint) or transient (network, 5xx, 429)."""
+    import httpx
+    from huggingface_hub.errors import (
+        DisabledRepoError,
+        FileMetadataError,
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        OfflineModeIsEnabled,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    for error in _causes(exc):
+        if isinstance(error, HfHubHTTPError):
+            response = getattr(error, "response", None)
+            status = getattr(response, "status_code", None)
+            if isinstance(error, GatedRepoError):
+                return HubErrorInfo(True, "gated repository: the token's account has not been granted access", status)
+            if isinstance(error, RepositoryNotFoundError):
+                if status == 401:
+                    return HubErrorInfo(
+                        True, "repository not found, or private and the request had no valid token", status
+                    )
+                return HubErrorInfo(True, "repository not found", status)
+            if isinstance(error, RevisionNotFoundError):
+                return HubErrorInfo(True, "revision not found (not a branch, tag or commit of the repository)", status)
+            if isinstance(error, RemoteEntryNotFoundError):
+                return HubErrorInfo(True, "a file the repository lists is missing on the endpoint", status)
+            if isinstance(error, DisabledRepoError):
+                return HubErrorInfo(True, "the repository is disabled", status)
+            if status is not None:
+                if status in (408, 429) or status >= 500:
+                    return HubErrorInfo(False, "the endpoint is busy or failing", status)
+                if status in (401, 403):
+                    return HubErrorInfo(True, "access denied: check the token and its permissions", status)
+                if status == 404:
+                    return HubErrorInfo(True, "repository or revision not found", status)
+                if status == 400:
+                    return HubErrorInfo(True, "request refused (is the revision a valid branch, tag or commit?)",
+                                        status)
+                return HubErrorInfo(True, "request refused", status)
+        if isinstance(error, FileMetadataError):
+            return HubErrorInfo(True, f"the endpoint does not answer like a Hugging Face hub ({error})")
+        if isinstance(error, OfflineModeIsEnabled):
+            return HubErrorInfo(True, "HF_HUB_OFFLINE is set in the environment")
+        if isinstance(error, httpx.TimeoutException):
+            return HubErrorInfo(False, f"timed out ({type(error).__name__})")
+        if isinstance(error, httpx.ConnectError):
+            return HubErrorInfo(False, f"cannot connect ({error})")
+        if isinstance(error, httpx.TransportError):
+            return HubErrorInfo(False, f"network error ({type(error).__name__}: {error})")
+        if isinstance(error, HFValidationError):
+            return HubErrorInfo(True, f"invalid repository id or revision ({error})")
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
+                                                          errno.EPERM):
+            return HubErrorInfo(True, f"cannot write the files ({error})")
+    return HubErrorInfo(False, f"{type(exc).__name__}: {exc}")
+
+
+def _endpoint(fetch: HubFetch) -> str:
+    from huggingface_hub import constants
+
+    return (fetch.endpoint or constants.ENDPOINT).rstrip("/")
+
+
+def _label(fetch: HubFetch) -> str:
+    return f"{fetch.field} hf://{fetch.repo_id}@{fetch.revision}"
+
+
+def hub_failure(fetch: HubFetch, exc: BaseException, file: str | None = None) -> PrepareFailed:
+    info = classify_hub_error(exc)
+    what = f"{file}: " if file else ""
+    status = f" (HTTP {info.status})" if info.status is not None else ""
+    return PrepareFailed(f"{_label(fetch)}: {what}{info.reason} at {_endpoint(fetch)}{status}",
+                         permanent=info.permanent)
+
+
+def token_for(fetch: HubFetch) -> str | bool | None:
+    """The fetch's token; without one, a custom endpoint gets no token at all (never the ambient hub login)."""
+    if fetch.token_env:
+        token = os.environ.get(fetch.token_env, "").strip()
+        if not token:
+            section = fetch.field.rsplit(".", 1)[0]
+            raise PrepareFailed(
+                f"{section}.hub.tokenSecretRef: the token is empty (environment variable {fetch.token_env})",
+                permanent=True,
+            )
+        return token
+    return False if fetch.endpoint else None
+
+
+class FetchProgress:
+    """Files and bytes done of one repository; a progress line at each finished file and at most every
+    PROGRESS_INTERVAL_S in between."""
+
+    def __init__(
+        self,
+        label: str,
+        sizes: dict[str, int | None],
+        reporter: Reporter,
+        *,
+        interval: float = PROGRESS_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.label = label
+        self.sizes = sizes
+        self.reporter = reporter
+        self.interval = interval
+        self.clock = clock
+        self.received: dict[str, int] = dict.fromkeys(sizes, 0)
+        self.done: set[str] = set()
+        self._lock = threading.Lock()
+        self._last = clock()
+
+    @property
+    def total_bytes(self) -> int | None:
+        sizes = list(self.sizes.values())
+        return None if any(s is None for s in sizes) else sum(s or 0 for s in sizes)
+
+    def message(self) -> str:
+        done = sum(self.received.values())
+        total = self.total_bytes
+        size = f"{human_bytes(done)} / {human_bytes(total)}" if total is not None else human_bytes(done)
+        return f"{self.label}: {len(self.done)}/{len(self.sizes)} files, {size}"
+
+    def _emit(self) -> None:
+        self._last = self.clock()
+        self.reporter.progress(self.message())
+
+    def add(self, name: str, n: float) -> None:
+        with self._lock:
+            self.received[name] = max(0, self.received.get(name, 0) + int(n))
+            if self.clock() - self._last >= self.interval:
+                self._emit()
+
+    def finish(self, name: str) -> None:
+        with self._lock:
+            self.done.add(name)
+            size = self.sizes.get(name)
+            if size is not None:
+                self.received[name] = size
+            self._emit()
+
+    def bar(self, name: str) -> type[_FileBar]:
+        """A tqdm stand-in for hf_hub_download(tqdm_class=...) that counts one file's bytes.
+
+        A class, not a partial: huggingface_hub looks for `update_transfer` on it to route Xet's network
+        bytes into the same bar (they are not counted: the written bytes are)."""
+        progress = self
+
+        class Bar(_FileBar):
+            def __init__(self, **kwargs: Any) -> None:
+                super().__init__(progress, name, **kwargs)
+
+        return Bar
+
+
+class _FileBar:
+    """The tqdm surface huggingface_hub 1.33 uses in http_get and xet_get."""
+
+    def __init__(self, progress: FetchProgress, name: str, *, total: int | None = None, initial: int = 0,
+                 **_: Any) -> None:
+        self.progress = progress
+        self.name = name
+        self.total = total
+        self.n = initial
+        self.format_dict: dict[str, Any] = {}
+        if initial:
+            progress.add(name, initial)
+
+    def __enter__(self) -> _FileBar:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        return None
+
+    def update(self, n: float | None = 1) -> None:
+        self.n += int(n or 0)
+        self.progress.add(self.name, n or 0)
+
+    def update_transfer(self, n: float | None = 1) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def refresh(self, *_: Any, **__: Any) -> None:
+        return None
+
+    def set_postfix_str(self, *_: Any, **__: Any) -> None:
+        return None
+
+    def set_transfer_postfix_str(self, *_: Any, **__: Any) -> None:
+        return None
+
+    def set_description(self, *_: Any, **__: Any) -> None:
+        return None
+
+
+def _record_path(local_dir: Path) -> Path:
+    return local_dir / FETCH_RECORD
+
+
+def _write_record(fetch: HubFetch, local_dir: Path, commit: str, files: list[str]) -> None:
+    path = _record_path(local_dir)
+    record = {"repoId": fetch.repo_id, "repoType": fetch.repo_type, "revision": fetch.revision, "commit": commit,
+              "files": files}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".grpo-fetch.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
+
+
+def _read_record(local_dir: Path) -> dict[str, Any]:
+    try:
+        record = json.loads(_record_path(local_dir).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def complete_copy(fetch: HubFetch) -> str | None:
+    """The commit of a complete earlier fetch of this repository and revision into local_dir, if any."""
+    local_dir = Path(fetch.local_dir)
+    record = _read_record(local_dir)
+    if (record.get("repoId"), record.get("repoType"), record.get("revision")) != (
+        fetch.repo_id, fetch.repo_type, fetch.revision
+    ):
+        return None
+    files = record.get("files")
+    if not isinstance(files, list) or not all(isinstance(f, str) and (local_dir / f).is_file() for f in files):
+        return None
+    commit = record.get("commit")
+    return commit if isinstance(commit, str) else None
+
+
+def fetch_repository(fetch: HubFetch, reporter: Reporter, *, workers: int = FETCH_WORKERS) -> None:
+    """Download one hf:// repository into fetch.local_dir; files already there at this commit are kept."""
+    from huggingface_hub import HfApi, hf_hub_download
+
+    token = token_for(fetch)
+    if isinstance(token, str):
+        reporter.add_secret(token)
+    label, endpoint = _label(fetch), _endpoint(fetch)
+    local_dir = Path(fetch.local_dir)
+    reporter.progress(f"{label}: resolving at {endpoint}")
+    api = HfApi(endpoint=endpoint, token=token)
+    try:
+        info = api.repo_info(fetch.repo_id, revision=fetch.revision, repo_type=fetch.repo_type, files_metadata=True)
+    except Exception as exc:
+        failure = hub_failure(fetch, exc)
+        commit = None if failure.permanent else complete_copy(fetch)
+        if commit is None:
+            raise failure from exc
+        reporter.progress(f"{label}: hub unreachable; using the complete copy fetched before (commit {commit[:12]})")
+        reporter.note(f"{failure}; using the complete copy in {local_dir}")
+        return
+    commit = info.sha
+    siblings = getattr(info, "siblings", None)
+    if not commit or siblings is None:
+        raise PrepareFailed(
+            f"{label}: the endpoint {endpoint} answered without a commit or a file list; is it a Hugging Face hub?",
+            permanent=True,
+        )
+    sizes: dict[str, int | None] = {s.rfilename: s.size for s in siblings}
+    for name in sizes:
+        if not name or name.startswith("/") or "\\" in name or ".." in name.split("/"):
+            raise PrepareFailed(f"{label}: the endpoint {endpoint} lists a file outside the repository: {name!r}",
+                                permanent=True)
+    progress = FetchProgress(label, sizes, reporter)
+    reporter.progress(progress.message())
+    try:
+        local_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PrepareFailed(f"{label}: cannot create {local_dir}: {exc}", permanent=True) from exc
+
+    if _read_record(local_dir).get("commit") not in (None, commit):
+        # Files of another commit get replaced now: the copy is no longer the complete one on record.
+        with contextlib.suppress(OSError):
+            _record_path(local_dir).unlink()
+
+    def download(name: str) -> None:
+        hf_hub_download(
+            fetch.repo_id,
+            name,
+            repo_type=fetch.repo_type,
+            revision=commit,
+            local_dir=local_dir,
+            endpoint=endpoint,
+            token=token,
+            tqdm_class=cast(Any, progress.bar(name)),
+        )
+        progress.finish(name)
+
+    errors: list[tuple[str, BaseException]] = []
+    if sizes:
+        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(sizes))), thread_name_prefix="fetch") as pool:
+            futures: dict[Future[None], str] = {pool.submit(download, name): name for name in sizes}
+            _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+            for future in pending:  # one failed: start no new file, let those in flight finish (they are kept)
+                future.cancel()
+            wait(futures)
+            errors = [(name, error) for f, name in futures.items()
+                      if not f.cancelled() and (error := f.exception()) is not None]
+    if errors:
+        failures = [(hub_failure(fetch, exc, name), exc) for name, exc in errors]
+        failure, cause = next(((f, e) for f, e in failures if f.permanent), failures[0])
+        raise failure from cause
+    try:
+        _write_record(fetch, local_dir, commit, list(sizes))
+    except OSError as exc:
+        reporter.note(f"{label}: cannot record the complete fetch in {local_dir}: {exc}")
+    reporter.progress(f"{label}: ready in {local_dir} (commit {commit[:12]}, {len(sizes)} files)")
+
+
+# ----------------------------------------------------------------------------------------------- checks
+
+
+def _model_field(cfg: RunConfig) -> str:
+    model = cfg.spec.model
+    if model.source:
+        return f"spec.model.source {model.source}"
+    return "spec.model.path" if model.path else "spec.model.name"
+
+
+def check_sources(cfg: RunConfig, reporter: Reporter) -> PrepareResult:
+    """What the trainer does before its first step, without loading the weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from grpo_trainer.data import load_prompts
+    from grpo_trainer.errors import TrainingFailed
+    from grpo_trainer.rewards import RewardContext, build_rewards
+
+    spec = cfg.spec
+    trainer = spec.trainer
+    try:
+        model_dir = cfg.model_dir()
+    except RunConfigError as exc:
+        raise PrepareFailed(str(exc), permanent=True) from exc
+    reporter.progress(f"checking the model in {model_dir}")
+    field = _model_field(cfg)
+    try:
+        AutoConfig.from_pretrained(str(model_dir))
+    except Exception as exc:
+        raise PrepareFailed(
+            f"{field}: {model_dir}/config.json does not load ({type(exc).__name__}: {exc})", permanent=True
+        ) from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        sample = tokenizer("The quick brown fox")["input_ids"]
+    except Exception as exc:
+        raise PrepareFailed(
+            f"{field}: the tokenizer in {model_dir} does not load ({type(exc).__name__}: {exc})", permanent=True
+        ) from exc
+    if not sample or len(tokenizer) < 2:
+        # transformers builds an empty tokenizer from config.json alone rather than failing
+        raise PrepareFailed(
+            f"{field}: the tokenizer in {model_dir} is empty ({len(tokenizer)} tokens): the directory has no "
+            "tokenizer files (tokenizer.json, tokenizer.model or vocab files)",
+            permanent=True,
+        )
+
+    dataset_path = cfg.dataset_path()
+    reporter.progress(f"checking the dataset {dataset_path}")
+    try:
+        dataset = load_prompts(
+            dataset_path,
+            spec.dataset,
+            tokenizer=tokenizer,
+            max_prompt_length=trainer.max_prompt_length,
+            min_rows=trainer.generation_batch_size // trainer.num_generations,
+        )
+    except TrainingFailed as exc:
+        raise PrepareFailed(f"spec.dataset: {exc}", permanent=True) from exc
+    except Exception as exc:
+        raise PrepareFailed(
+            f"spec.dataset: {dataset_path} does not load ({type(exc).__name__}: {exc})", permanent=True
+        ) from exc
+
+    reporter.progress(f"checking {len(spec.rewards)} reward function(s)")
+    try:
+        funcs, _ = build_rewards(
+            spec.rewards,
+            RewardContext(
+                max_completion_length=trainer.max_completion_length, dataset_columns=tuple(dataset.column_names)
+            ),
+            cfg.reward_search_paths(),
+        )
+    except TrainingFailed as exc:
+        raise PrepareFailed(f"spec.{exc}", permanent=True) from exc
+    return PrepareResult(model_dir=model_dir, dataset_path=dataset_path, prompts=len(dataset), rewards=len(funcs))
+
+
+# ------------------------------------------------------------------------------------------------- entry
+
+
+def prepare(cfg: RunConfig, reporter: Reporter) -> PrepareResult:
+    """Inline rewards, fetches, checks; raises PrepareFailed."""
+    write_inline_rewards(cfg, reporter)
+    for fetch in cfg.sources.fetches:
+        fetch_repository(fetch, reporter)
+    return check_sources(cfg, reporter)
+
+
+def write_termination_message(line: str, reporter: Reporter) -> None:
+    """The final line into the termination log: $GRPO_TERMINATION_LOG (created), else /dev/termination-log
+    when it exists and is writable (Kubernetes)."""
+    override = os.environ.get(ENV_TERMINATION_LOG)
+    path = Path(override) if override else Path(DEFAULT_TERMINATION_LOG)
+    if not override and not (path.exists() and os.access(path, os.W_OK)):
+        return
+    try:
+        path.write_text(line + "\n")
+    except OSError as exc:
+        reporter.note(f"cannot write the termination message to {path}: {exc}")
+
+
+def run_prepare(config_path: str | Path | None, reporter: Reporter | None = None) -> int:
+    """Load the run-config, prepare, print the final line; the exit code."""
+    reporter = reporter or Reporter()
+    try:
+        cfg = load_run_config(config_path)
+        result = prepare(cfg, reporter)
+    except RunConfigError as exc:
+        failure = PrepareFailed(str(exc), permanent=True)
+    except PrepareFailed as exc:
+        failure = exc
+    except Exception as exc:  # an unforeseen error: let the Job retry (bounded by its backoffLimit)
+        failure = PrepareFailed(f"unexpected error: {type(exc).__name__}: {exc}", permanent=False)
+    else:
+        write_termination_message(reporter.final(result.message, failed=False), reporter)
+        return EXIT_READY
+    reporter.note(f"{'permanent' if failure.permanent else 'transient'} failure: {failure}")
+    line = reporter.final(str(failure), failed=True, permanent=failure.permanent)
+    write_termination_message(line, reporter)
+    return EXIT_PERMANENT if failure.permanent else EXIT_TRANSIENT

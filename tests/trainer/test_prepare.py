@@ -1,0 +1,577 @@
+"""`grpo prepare`: inline rewards, hf:// fetches through the real huggingface_hub against a fake hub, the
+source checks, and the output protocol the operator reads."""
+
+from __future__ import annotations
+
+import json
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner, Result
+
+from grpo_api.models import GRPORun
+from grpo_api.prepare_protocol import (
+    ENV_TERMINATION_LOG,
+    EXIT_PERMANENT,
+    EXIT_TRANSIENT,
+    MAX_PROGRESS_CHARS,
+    PrepareEvent,
+    format_event,
+    latest_event,
+    latest_progress,
+    parse_event,
+)
+from grpo_api.runconfig import RunConfig, run_config_for
+from grpo_api.sources import DATASET_TOKEN_ENV, MODEL_TOKEN_ENV, ResolvedSources
+from grpo_cli.main import cli
+from grpo_trainer.prepare import FetchProgress, PrepareFailed, Reporter, write_inline_rewards
+from tests.fixtures.hub import FakeHub, repo_files, running_hub
+
+TOKEN = "hf_secret_TOKEN_0123456789"
+
+@pytest.fixture
+def hub() -> Iterator[FakeHub]:
+    with running_hub() as fake:
+        yield fake
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def invoke(config: Path) -> Result:
+    return CliRunner().invoke(cli, ["prepare", "--config", str(config)], catch_exceptions=False)
+
+
+def events(result: Result) -> list[PrepareEvent]:
+    parsed = [parse_event(line) for line in result.stdout.splitlines()]
+    return [e for e in parsed if e is not None]
+
+
+def final(result: Result) -> PrepareEvent:
+    event = latest_event(result.stdout)
+    assert event is not None and event.kind in ("done", "failed"), result.stdout
+    return event
+
+
+@pytest.fixture
+def termination_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "termination-log"
+    monkeypatch.setenv(ENV_TERMINATION_LOG, str(path))
+    return path
+
+
+def hub_run_file(tmp_path: Path, endpoint: str, dataset: Path, *, repo: str = "org/tiny", revision: str = "main",
+                 token: bool = True) -> Path:
+    """A GRPORun file whose model is hf://REPO@REV on the fake hub (`grpo run`'s way: local_sources)."""
+    hub_access: dict[str, Any] = {"endpoint": endpoint}
+    if token:
+        hub_access["tokenSecretRef"] = {"name": "hf", "key": "token"}
+    run = {
+        "apiVersion": "grpo.dev/v1alpha1",
+        "kind": "GRPORun",
+        "metadata": {"name": "prep"},
+        "spec": {
+            "model": {"name": "tiny", "source": f"hf://{repo}@{revision}", "hub": hub_access},
+            "dataset": {"path": str(dataset)},
+            "rewards": [{"function": "exact_match"}],
+        },
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(run))
+    return path
+
+
+def local_model_dir(run_file: Path, repo: str = "org/tiny", revision: str = "main") -> Path:
+    return run_file.parent / ".grpo" / "prep" / "hub" / "models" / repo / revision
+
+
+def write_config(tmp_path: Path, spec: dict[str, Any], sources: ResolvedSources) -> Path:
+    """A run-config as the operator renders it: sources resolved, no fetches."""
+    run = GRPORun.model_validate({"metadata": {"name": "prep"}, "spec": spec})
+    cfg: RunConfig = run_config_for(run, volume_root=tmp_path / "volume", server_url="http://127.0.0.1:1",
+                                    token_file=None, base_dir=tmp_path, sources=sources)
+    path = tmp_path / "run-config.yaml"
+    path.write_text(cfg.to_yaml())
+    return path
+
+
+def spec_with(rewards: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {
+        "model": {"name": "tiny", "source": "pvc://models/tiny"},
+        "dataset": {"source": "pvc://data/prompts", "path": "prompts.jsonl"},
+        "rewards": rewards or [{"function": "exact_match"}],
+    }
+
+
+def unique_module() -> str:
+    return f"prep_rewards_{uuid.uuid4().hex[:8]}"
+
+
+# ---------------------------------------------------------------------------------------------- hub fetch
+
+
+def test_fetch_lands_byte_identical_with_the_token_sent_and_never_printed(
+    hub: FakeHub, tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, termination_log: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hub.add("org/tiny", repo_files(tiny_model_dir))
+    monkeypatch.setenv(MODEL_TOKEN_ENV, TOKEN)
+    run_file = hub_run_file(tmp_path, hub.url, tiny_dataset)
+
+    result = invoke(run_file)
+
+    assert result.exit_code == 0, result.output
+    local = local_model_dir(run_file)
+    fetched = {k: v for k, v in repo_files(local).items() if not k.startswith(".cache/")}
+    assert fetched == repo_files(tiny_model_dir)
+    assert hub.requests and all(r.authorization == f"Bearer {TOKEN}" for r in hub.requests)
+    outputs = result.stdout + result.stderr + termination_log.read_text()
+    assert TOKEN not in outputs
+    done = final(result)
+    assert done.kind == "done"
+    assert done.message == (f"sources ready: model {local}, dataset {tiny_dataset} (64 prompts), 1 reward function")
+    assert latest_progress(termination_log.read_text()) == done.message
+    progress = [e.message for e in events(result) if e.kind == "progress"]
+    assert all(len(m) <= MAX_PROGRESS_CHARS for m in progress)
+    assert any(m.startswith("spec.model.source hf://org/tiny@main: 6/6 files,") for m in progress), progress
+    # Every line on stdout is a protocol line: the operator's parser sees everything.
+    assert all(parse_event(line) for line in result.stdout.splitlines())
+
+
+def test_a_second_prepare_downloads_nothing_again(
+    hub: FakeHub, tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, termination_log: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hub.add("org/tiny", repo_files(tiny_model_dir))
+    monkeypatch.setenv(MODEL_TOKEN_ENV, TOKEN)
+    run_file = hub_run_file(tmp_path, hub.url, tiny_dataset)
+    assert invoke(run_file).exit_code == 0
+    assert len(hub.file_gets()) == 6
+    hub.requests.clear()
+
+    result = invoke(run_file)
+
+    assert result.exit_code == 0, result.output
+    assert hub.file_requests() == []  # neither HEAD nor GET of a file
+    assert [r.method for r in hub.api_requests()] == ["GET"]  # one repo_info
+
+
+def test_an_interrupted_fetch_is_transient_and_the_next_run_fetches_only_what_is_missing(
+    hub: FakeHub, tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, termination_log: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hub.add("org/tiny", repo_files(tiny_model_dir))
+    hub.fail_get["model.safetensors"] = 1
+    monkeypatch.setenv(MODEL_TOKEN_ENV, TOKEN)
+    run_file = hub_run_file(tmp_path, hub.url, tiny_dataset)
+    local = local_model_dir(run_file)
+
+    first = invoke(run_file)
+
+    assert first.exit_code == EXIT_TRANSIENT, first.output
+    failed = final(first)
+    assert failed.kind == "failed" and failed.permanent is False
+    assert failed.message == (f"spec.model.source hf://org/tiny@main: model.safetensors: the endpoint is busy or "
+                              f"failing at {hub.url} (HTTP 500)")
+    assert json.loads(termination_log.read_text()) == {"grpoPrepare": "failed", "message": failed.message,
+                                                       "permanent": False}
+    missing = {name for name in repo_files(tiny_model_dir) if not (local / name).is_file()}
+    assert "model.safetensors" in missing
+    assert len(missing) < 6  # the others were kept
+    assert not list(local.rglob("*.incomplete"))
+    hub.requests.clear()
+
+    second = invoke(run_file)
+
+    assert second.exit_code == 0, second.output
+    assert set(hub.file_gets()) == missing
+    assert len(hub.file_gets()) == len(missing)
+    assert {k: v for k, v in repo_files(local).items() if not k.startswith(".cache/")} == repo_files(tiny_model_dir)
+
+
+def test_a_connection_dropped_mid_file_is_resumed_within_the_run(
+    hub: FakeHub, tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, termination_log: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hub.add("org/tiny", repo_files(tiny_model_dir))
+    hub.drop_get["model.safetensors"] = 1
+    monkeypatch.setenv(MODEL_TOKEN_ENV, TOKEN)
+    run_file = hub_run_file(tmp_path, hub.url, tiny_dataset)
+
+    result = invoke(run_file)
+
+    assert result.exit_code == 0, result.output
+    assert hub.file_gets().count("model.safetensors") == 2
+    local = local_model_dir(run_file)
+    assert (local / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
+
+
+def test_an_unknown_repository_is_permanent_naming_field_and_endpoint(
+    hub: FakeHub, tiny_dataset: Path, tmp_path: Path, termination_log: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(MODEL_TOKEN_ENV, TOKEN)
+    run_file = hub_run_file(tmp_path, hub.url, tiny_dataset, repo="org/nope", revision="v1")
+
+    result = invoke(run_file)
+
+    assert result.exit_code == EXIT_PERMANENT, result.output
+    failed = final(result)
+    assert failed.permanent is True
+    assert failed.message == f"spec.model.source hf://org/nope@v1: repository not found at {hub.url} (HTTP 404)"
+    assert latest_progress(termination_log.read_text()) == failed.message
+    assert TOKEN not in result.output
+
+
+def test_an_unknown_revision_is_permanent(
+    hub: FakeHub, tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, termination_log: Path,
+) -> None:
+    hub.add("org/tiny", repo_files(tiny_model_dir))
+    result = invoke(hub_run_file(tmp_path, hub.url, tiny_dataset, revision="no-such-branch", token=False))
+    assert result.exit_code == EXIT_PERMANENT, result.output
+    assert "hf://org/tiny@no-such-branch: revision not found" in final(result).message
+    assert all(r.authorization is None for r in hub.requests)  # a mirror never gets the ambient hub login
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "message", "exit_code", "reason"),
+    [
+        (500, None, None, EXIT_TRANSIENT, "the endpoint is busy or failing"),
+        (503, None, None, EXIT_TRANSIENT, "the endpoint is busy or failing"),
+        (429, None, None, EXIT_TRANSIENT, "the endpoint is busy or failing"),
+        (403, None, "Forbidden", EXIT_PERMANENT, "access denied"),
+        (403, "GatedRepo", "Access to model org/tiny is restricted", EXIT_PERMANENT, "gated repository"),
+        (401, None, "Invalid credentials in Authorization header", EXIT_PERMANENT, "access denied"),
+        (401, "RepoNotFound", None, EXIT_PERMANENT, "repository not found, or private"),
+        (400, None, "Invalid rev id", EXIT_PERMANENT, "request refused"),
+    ],
+)
+def test_api_errors_are_classified(
+    hub: FakeHub, tiny_dataset: Path, tmp_path: Path, termination_log: Path, monkeypatch: pytest.MonkeyPatch,
+    status: int, code: str | None, message: str | None, exit_code: int, reason: str,
+) -> None:
+    hub.api_status, hub.api_error_code, hub.api_error_message = status, code, message
+    monkeypatch.setenv(MODEL_TOKEN_ENV, TOKEN)
+    result = invoke(hub_run_file(tmp_path, hub.url, tiny_dataset))
+    assert result.exit_code == exit_code, result.output
+    failed = final(result)
+    assert failed.permanent is (exit_code == EXIT_PERMANENT)
+    assert failed.message.startswith(f"spec.model.source hf://org/tiny@main: {reason}")
+    assert failed.message.endswith(f"at {hub.url} (HTTP {status})")
+
+
+def test_an_unreachable_endpoint_is_transient(
+    tiny_dataset: Path, tmp_path: Path, termination_log: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(MODEL_TOKEN_ENV, TOKEN)
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    result = invoke(hub_run_file(tmp_path, endpoint, tiny_dataset))
+    assert result.exit_code == EXIT_TRANSIENT, result.output
+    failed = final(result)
+    assert failed.permanent is False
+    assert failed.message.startswith("spec.model.source hf://org/tiny@main: cannot connect")
+    assert endpoint in failed.message
+
+
+def test_an_empty_token_is_a_permanent_error_naming_the_secret(
+    hub: FakeHub, tiny_dataset: Path, tmp_path: Path, termination_log: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(MODEL_TOKEN_ENV, raising=False)
+    result = invoke(hub_run_file(tmp_path, hub.url, tiny_dataset))
+    assert result.exit_code == EXIT_PERMANENT, result.output
+    assert final(result).message.startswith("spec.model.hub.tokenSecretRef: the token is empty")
+    assert hub.requests == []
+
+
+def test_a_complete_earlier_fetch_is_used_when_the_hub_is_unreachable(
+    hub: FakeHub, tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, termination_log: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hub.add("org/tiny", repo_files(tiny_model_dir))
+    monkeypatch.setenv(MODEL_TOKEN_ENV, TOKEN)
+    assert invoke(hub_run_file(tmp_path, hub.url, tiny_dataset)).exit_code == 0
+
+    result = invoke(hub_run_file(tmp_path, f"http://127.0.0.1:{closed_port()}", tiny_dataset))
+
+    assert result.exit_code == 0, result.output
+    assert any("hub unreachable; using the complete copy fetched before" in e.message for e in events(result))
+    assert final(result).kind == "done"
+
+
+def test_a_listed_file_outside_the_repository_is_refused(
+    hub: FakeHub, tiny_dataset: Path, tmp_path: Path, termination_log: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hub.add("org/tiny", {"config.json": b"{}", "../../escape.txt": b"x"})
+    monkeypatch.setenv(MODEL_TOKEN_ENV, TOKEN)
+    result = invoke(hub_run_file(tmp_path, hub.url, tiny_dataset))
+    assert result.exit_code == EXIT_PERMANENT, result.output
+    assert "lists a file outside the repository: '../../escape.txt'" in final(result).message
+    assert hub.file_requests() == []
+
+
+def test_a_moved_branch_is_fetched_again_and_the_old_copy_is_no_longer_on_record(
+    hub: FakeHub, tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, termination_log: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    files = repo_files(tiny_model_dir)
+    hub.add("org/tiny", files)
+    monkeypatch.setenv(MODEL_TOKEN_ENV, TOKEN)
+    run_file = hub_run_file(tmp_path, hub.url, tiny_dataset)
+    assert invoke(run_file).exit_code == 0
+    config = json.loads(files["config.json"])
+    config["max_position_embeddings"] = config["max_position_embeddings"] * 2
+    moved = {**files, "config.json": json.dumps(config).encode()}
+    new_commit = hub.add("org/tiny", moved).commit  # main now points at a new commit
+    hub.fail_get["config.json"] = 1
+    hub.requests.clear()
+    local = local_model_dir(run_file)
+    record = local / ".cache" / "grpo-fetch.json"
+
+    assert invoke(run_file).exit_code == EXIT_TRANSIENT
+    assert hub.file_gets() == ["config.json"]  # the unchanged files only get a HEAD
+    assert not record.exists()  # a half-updated copy must not pass for the complete one
+    assert invoke(run_file).exit_code == 0
+    assert (local / "config.json").read_bytes() == moved["config.json"]
+    assert json.loads(record.read_text())["commit"] == new_commit
+
+
+def test_a_dataset_repository_is_fetched_and_checked(
+    hub: FakeHub, tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, termination_log: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hub.add("org/prompts", {"data/train.jsonl": tiny_dataset.read_bytes(), "README.md": b"# prompts\n"},
+            repo_type="dataset")
+    monkeypatch.setenv(DATASET_TOKEN_ENV, TOKEN)
+    run = {
+        "apiVersion": "grpo.dev/v1alpha1",
+        "kind": "GRPORun",
+        "metadata": {"name": "prep"},
+        "spec": {
+            "model": {"name": "tiny", "path": str(tiny_model_dir)},
+            "dataset": {"source": "hf://org/prompts@main", "path": "data/train.jsonl",
+                        "hub": {"endpoint": hub.url, "tokenSecretRef": {"name": "hf", "key": "token"}}},
+            "rewards": [{"function": "exact_match"}],
+        },
+    }
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(yaml.safe_dump(run))
+
+    result = invoke(run_file)
+
+    assert result.exit_code == 0, result.output
+    local = tmp_path / ".grpo" / "prep" / "hub" / "datasets" / "org" / "prompts" / "main" / "data" / "train.jsonl"
+    assert local.read_bytes() == tiny_dataset.read_bytes()
+    assert sorted(hub.file_gets()) == ["README.md", "data/train.jsonl"]
+    assert all(r.path.startswith(("/api/datasets/org/prompts/", "/datasets/org/prompts/resolve/"))
+               for r in hub.requests)
+    assert all(r.authorization == f"Bearer {TOKEN}" for r in hub.requests)
+    assert final(result).message.endswith(f"dataset {local} (64 prompts), 1 reward function")
+
+
+def test_progress_is_throttled_but_every_finished_file_is_reported() -> None:
+    now = [0.0]
+    lines: list[str] = []
+
+    class Out:
+        def write(self, text: str) -> None:
+            lines.extend(text.splitlines())
+
+        def flush(self) -> None:
+            pass
+
+    progress = FetchProgress("spec.model.source hf://o/m@main", {"a": 2048, "b": 1024 * 1024}, Reporter(out=Out()),
+                             clock=lambda: now[0])
+    bar = progress.bar("b")(total=1024 * 1024, initial=0, desc="b")
+    for _ in range(11):  # one update a second, at 0..10 s
+        bar.update(1024)
+        now[0] += 1.0
+    assert len(lines) == 2  # at 5 s and 10 s, not at each update
+    progress.finish("a")
+    assert latest_progress("\n".join(lines)) == "spec.model.source hf://o/m@main: 1/2 files, 13.0 KiB / 1.0 MiB"
+
+
+# -------------------------------------------------------------------------------------------------- checks
+
+
+def test_a_good_setup_is_ready(
+    tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, termination_log: Path,
+) -> None:
+    config = write_config(tmp_path, spec_with(), ResolvedSources(model_dir=str(tiny_model_dir),
+                                                                   dataset_path=str(tiny_dataset)))
+    result = invoke(config)
+    assert result.exit_code == 0, result.output
+    done = final(result)
+    assert done.message == (f"sources ready: model {tiny_model_dir}, dataset {tiny_dataset} (64 prompts), "
+                            "1 reward function")
+    assert json.loads(termination_log.read_text()) == {"grpoPrepare": "done", "message": done.message}
+    assert [e.message for e in events(result)][:3] == [
+        f"checking the model in {tiny_model_dir}",
+        f"checking the dataset {tiny_dataset}",
+        "checking 1 reward function(s)",
+    ]
+
+
+def test_a_model_without_config_json_is_permanent_naming_spec_model(
+    tiny_dataset: Path, tmp_path: Path, termination_log: Path,
+) -> None:
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    config = write_config(tmp_path, spec_with(), ResolvedSources(model_dir=str(empty), dataset_path=str(tiny_dataset)))
+    result = invoke(config)
+    assert result.exit_code == EXIT_PERMANENT, result.output
+    failed = final(result)
+    assert failed.permanent is True
+    assert failed.message.startswith("spec.model.source pvc://models/tiny: ")
+    assert "no config.json" in failed.message
+    assert latest_progress(termination_log.read_text()) == failed.message
+
+
+def test_a_tokenizer_that_does_not_load_is_permanent(
+    tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, termination_log: Path,
+) -> None:
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_bytes((tiny_model_dir / "config.json").read_bytes())
+    config = write_config(tmp_path, spec_with(), ResolvedSources(model_dir=str(broken), dataset_path=str(tiny_dataset)))
+    result = invoke(config)
+    assert result.exit_code == EXIT_PERMANENT, result.output
+    message = final(result).message
+    assert message.startswith(f"spec.model.source pvc://models/tiny: the tokenizer in {broken}"), message
+
+
+def test_an_empty_dataset_is_permanent_naming_spec_dataset(
+    tiny_model_dir: Path, tmp_path: Path, termination_log: Path,
+) -> None:
+    empty = tmp_path / "prompts.jsonl"
+    empty.write_text("")
+    config = write_config(tmp_path, spec_with(), ResolvedSources(model_dir=str(tiny_model_dir),
+                                                                   dataset_path=str(empty)))
+    result = invoke(config)
+    assert result.exit_code == EXIT_PERMANENT, result.output
+    assert final(result).message.startswith("spec.dataset: ")
+    assert "prompts.jsonl" in final(result).message
+
+
+def test_a_missing_reward_module_is_permanent_naming_it(
+    tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, termination_log: Path,
+) -> None:
+    module = unique_module()
+    rewards_dir = tmp_path / "rewards"
+    rewards_dir.mkdir()
+    config = write_config(tmp_path, spec_with([{"function": f"{module}:score"}]),
+                          ResolvedSources(model_dir=str(tiny_model_dir), dataset_path=str(tiny_dataset),
+                                          reward_paths=[str(rewards_dir)]))
+    result = invoke(config)
+    assert result.exit_code == EXIT_PERMANENT, result.output
+    message = final(result).message
+    assert message.startswith(f"spec.rewards[0]: cannot import module {module!r}")
+    assert str(rewards_dir) in message
+
+
+def test_a_missing_reward_function_is_permanent_naming_it(
+    tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, termination_log: Path,
+) -> None:
+    module = unique_module()
+    rewards_dir = tmp_path / "rewards"
+    rewards_dir.mkdir()
+    (rewards_dir / f"{module}.py").write_text("def other(completions, **kw):\n    return [0.0] * len(completions)\n")
+    config = write_config(tmp_path, spec_with([{"function": "exact_match"}, {"function": f"{module}:score"}]),
+                          ResolvedSources(model_dir=str(tiny_model_dir), dataset_path=str(tiny_dataset),
+                                          reward_paths=[str(rewards_dir)]))
+    result = invoke(config)
+    assert result.exit_code == EXIT_PERMANENT, result.output
+    assert final(result).message == f"spec.rewards[1]: module {module!r} has no callable 'score'"
+
+
+def test_inline_reward_modules_are_written_and_importable(
+    tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, termination_log: Path,
+) -> None:
+    module = unique_module()
+    source = "def score(completions, **kwargs):\n    return [1.0] * len(completions)\n"
+    run = {
+        "apiVersion": "grpo.dev/v1alpha1",
+        "kind": "GRPORun",
+        "metadata": {"name": "prep"},
+        "spec": {
+            "model": {"name": "tiny", "path": str(tiny_model_dir)},
+            "dataset": {"path": str(tiny_dataset)},
+            "rewards": [{"function": "exact_match"}, {"function": f"{module}:score", "weight": 0.5}],
+            "rewardCode": {"inline": {f"{module}.py": source}},
+        },
+    }
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(yaml.safe_dump(run))
+
+    result = invoke(run_file)
+
+    assert result.exit_code == 0, result.output
+    written = tmp_path / ".grpo" / "prep" / "rewards" / f"{module}.py"
+    assert written.read_text() == source
+    assert [p.name for p in written.parent.iterdir() if p.name != "__pycache__"] == [written.name]  # no temp left
+    assert final(result).message.endswith("2 reward functions")
+
+
+def test_an_inline_name_that_is_not_a_module_file_is_refused(tmp_path: Path) -> None:
+    cfg = RunConfig.model_validate(yaml.safe_load(write_config(
+        tmp_path, spec_with(), ResolvedSources(inline_rewards_dir=str(tmp_path / "rewards"))).read_text()))
+    from grpo_api.models import RewardCodeSpec
+
+    for name in ("../evil.py", "sub/mod.py", "mod.txt"):
+        code = RewardCodeSpec.model_construct(source=None, path=None, inline={name: "x = 1\n"})
+        bad = cfg.model_copy(update={"spec": cfg.spec.model_copy(update={"reward_code": code})})
+        with pytest.raises(PrepareFailed, match=r"spec\.rewardCode\.inline: .* is not a module file name") as info:
+            write_inline_rewards(bad, Reporter())
+        assert info.value.permanent
+    assert not (tmp_path / "evil.py").exists()
+    assert not (tmp_path / "rewards").exists()
+
+
+def test_a_bad_config_file_is_permanent(tmp_path: Path, termination_log: Path) -> None:
+    result = invoke(tmp_path / "missing.yaml")
+    assert result.exit_code == EXIT_PERMANENT
+    assert final(result).message.endswith("missing.yaml: file not found")
+    assert termination_log.is_file()
+
+
+# ------------------------------------------------------------------------------------------------ protocol
+
+
+def test_latest_progress_reads_the_last_protocol_line_and_ignores_the_rest() -> None:
+    log = "\n".join([
+        "Downloading...",
+        format_event("progress", "first"),
+        '{"not": "ours"}',
+        format_event("progress", "second"),
+        "{broken json",
+        "[1, 2]",
+        '{"grpoPrepare": "progress", "message": 3}',
+        '{"grpoPrepare": "other", "message": "x"}',
+        "WARNING something",
+    ])
+    assert latest_progress(log) == "second"
+    assert latest_progress(log + "\n" + format_event("failed", "boom", permanent=True)) == "boom"
+    assert latest_progress(format_event("done", "ready") + "\n") == "ready"
+    assert latest_progress("") is None
+    assert latest_progress("plain\ntext\n") is None
+
+
+def test_events_carry_permanence_and_progress_is_clipped() -> None:
+    assert parse_event(format_event("failed", "x", permanent=False)) == PrepareEvent("failed", "x", False)
+    assert parse_event(format_event("failed", "x", permanent=True)) == PrepareEvent("failed", "x", True)
+    assert parse_event(format_event("done", "ok")) == PrepareEvent("done", "ok", None)
+    long = format_event("progress", "a\nb " + "x" * 500)
+    event = parse_event(long)
+    assert event is not None and len(event.message) == MAX_PROGRESS_CHARS and "\n" not in event.message
+    assert json.loads(long) == {"grpoPrepare": "progress", "message": event.message}

@@ -1,0 +1,258 @@
+"""Sources (pvc://, hf://, oci://, configmap://, inline reward code) and pod settings, as the pure
+builders turn them into volumes, mounts, env and the run-config; and `grpo run`'s local resolution.
+
+The API server's admission of the same specs is in tests/integration/test_crd.py; the pods built
+here are sent to a real API server in tests/operator/test_sources_flow.py and run on a real node in
+tests/e2e.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from grpo_api.models import DEFAULT_SERVER_IMAGE, DEFAULT_TRAINER_IMAGE, GRPORun
+from grpo_api.prepare_protocol import EXIT_PERMANENT
+from grpo_api.runconfig import RunConfig, RunConfigError, run_config_for
+from grpo_api.sources import (
+    DATASET_TOKEN_ENV,
+    MODEL_TOKEN_ENV,
+    REWARDS_DIR,
+    ClaimSource,
+    HubSource,
+    ImageSource,
+    SourceError,
+    parse_source,
+)
+from grpo_operator import builders as b
+from tests.unit.test_builders import container, make_run, mounts_of, volumes_of
+
+
+def run_config(run: GRPORun) -> RunConfig:
+    data = yaml.safe_load(b.build_config_map(run)["data"]["run-config.yaml"])
+    return RunConfig.model_validate(data)
+
+
+def every_pod(run: GRPORun) -> list[dict[str, Any]]:
+    return [b.build_initializer_job(run), b.build_server_deployment(run, 1, 1), b.build_trainer_job(run, 1)]
+
+
+def raw_env(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container(obj)["env"]}
+
+
+@pytest.mark.parametrize(
+    ("uri", "parsed"),
+    [
+        ("pvc://models", ClaimSource("models", "")),
+        ("pvc://models/qwen/7b/", ClaimSource("models", "qwen/7b")),
+        ("hf://Qwen/Qwen2.5-0.5B@v1.0", HubSource("Qwen/Qwen2.5-0.5B", "v1.0")),
+        ("hf://gpt2", HubSource("gpt2", None)),
+        ("oci://registry.corp:5000/m/qwen:7b", ImageSource("registry.corp:5000/m/qwen:7b")),
+    ],
+)
+def test_source_uris_parse(uri: str, parsed: object) -> None:
+    assert parse_source(uri, "spec.model.source") == parsed
+
+
+@pytest.mark.parametrize("uri", ["s3://b/k", "pvc://models/../etc", "hf://org/name@../x", "models"])
+def test_bad_source_uris_are_refused_naming_the_field(uri: str) -> None:
+    with pytest.raises(SourceError, match=r"spec\.model\.source"):
+        parse_source(uri, "spec.model.source")
+
+
+def test_a_model_on_another_claim_is_mounted_read_only_in_every_pod() -> None:
+    run = make_run(model={"name": "tiny", "source": "pvc://models/tiny"})
+    for pod in every_pod(run):
+        assert volumes_of(pod)["src-claim-0"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+        assert mounts_of(pod)["src-claim-0"] == {
+            "name": "src-claim-0", "mountPath": "/mnt/grpo/claims/models", "readOnly": True}
+    assert run_config(run).sources.model_dir == "/mnt/grpo/claims/models/tiny"
+
+
+def test_a_source_on_the_runs_own_claim_needs_no_second_mount() -> None:
+    run = make_run(model={"name": "tiny", "source": "pvc://grpo-data", "path": "models/tiny"},
+                   dataset={"source": "pvc://grpo-data/datasets", "path": "prompts.jsonl"},
+                   storage={"existingClaim": "grpo-data"})
+    assert not [v for v in volumes_of(b.build_trainer_job(run, 1)) if v.startswith("src-")]
+    sources = run_config(run).sources
+    assert (sources.model_dir, sources.dataset_path) == ("/data/models/tiny", "/data/datasets/prompts.jsonl")
+
+
+def test_two_sources_on_one_claim_share_one_volume() -> None:
+    run = make_run(model={"name": "tiny", "source": "pvc://shared/m"},
+                   dataset={"source": "pvc://shared/d", "path": "p.jsonl"})
+    claims = [v for v in volumes_of(b.build_server_deployment(run, 1, 1)).values() if "persistentVolumeClaim" in v]
+    assert [c["persistentVolumeClaim"]["claimName"] for c in claims] == ["r1-data", "shared"]
+    assert b.claims_of(run) == ("r1-data", "shared")
+
+
+def test_an_hf_model_is_fetched_by_the_initializer_alone_with_its_token() -> None:
+    run = make_run(model={"name": "qwen", "source": "hf://Qwen/Qwen2.5-0.5B@abc123",
+                          "hub": {"tokenSecretRef": {"name": "hf", "key": "token"},
+                                  "endpoint": "https://mirror.corp"}})
+    (fetch,) = run_config(run).sources.fetches
+    assert fetch.model_dump() == {
+        "field": "spec.model.source", "repo_id": "Qwen/Qwen2.5-0.5B", "revision": "abc123", "repo_type": "model",
+        "local_dir": "/data/hub/models/Qwen/Qwen2.5-0.5B/abc123", "token_env": MODEL_TOKEN_ENV,
+        "endpoint": "https://mirror.corp"}
+    assert run_config(run).sources.model_dir == fetch.local_dir
+    init = b.build_initializer_job(run)
+    assert raw_env(init)[MODEL_TOKEN_ENV]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    for pod in every_pod(run)[1:]:
+        assert MODEL_TOKEN_ENV not in raw_env(pod), "only the initializer sees the hub token"
+
+
+def test_an_hf_dataset_without_token_lands_under_datasets() -> None:
+    run = make_run(dataset={"source": "hf://org/prompts", "path": "data/train.parquet"})
+    (fetch,) = run_config(run).sources.fetches
+    assert (fetch.repo_type, fetch.revision, fetch.token_env) == ("dataset", "main", None)
+    assert run_config(run).sources.dataset_path == "/data/hub/datasets/org/prompts/main/data/train.parquet"
+    assert DATASET_TOKEN_ENV not in raw_env(b.build_initializer_job(run))
+
+
+def test_image_and_configmap_sources_become_read_only_volumes() -> None:
+    run = make_run(model={"name": "m", "source": "oci://registry.corp/models/tiny:1", "path": "models/tiny"},
+                   dataset={"source": "configmap://prompts", "path": "prompts.jsonl"},
+                   rewardCode={"source": "oci://registry.corp/rewards:2", "path": "src"})
+    for pod in every_pod(run):
+        volumes = volumes_of(pod)
+        assert volumes["src-model"] == {"name": "src-model", "image": {"reference": "registry.corp/models/tiny:1"}}
+        assert volumes["src-dataset"] == {"name": "src-dataset", "configMap": {"name": "prompts"}}
+        assert volumes["src-rewards"] == {"name": "src-rewards", "image": {"reference": "registry.corp/rewards:2"}}
+        assert all(mounts_of(pod)[name]["readOnly"] for name in ("src-model", "src-dataset", "src-rewards"))
+    sources = run_config(run).sources
+    assert sources.model_dir == "/mnt/grpo/model/models/tiny"
+    assert sources.dataset_path == "/mnt/grpo/dataset/prompts.jsonl"
+    assert sources.reward_paths == [f"{REWARDS_DIR}/src"]
+
+
+def test_inline_reward_code_goes_into_a_config_map_owned_by_the_run() -> None:
+    code = "def share(completions, **kwargs):\n    return [1.0] * len(completions)\n"
+    run = make_run(rewards=[{"function": "target:share"}], rewardCode={"inline": {"target.py": code}})
+    cm = b.build_rewards_config_map(run)
+    assert cm is not None and cm["data"] == {"target.py": code}
+    assert cm["metadata"]["name"] == "r1-rewards" and cm["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert volumes_of(b.build_trainer_job(run, 1))["src-rewards"]["configMap"] == {"name": "r1-rewards"}
+    assert run_config(run).sources.reward_paths == [REWARDS_DIR]
+    assert b.build_rewards_config_map(make_run()) is None
+
+
+def test_the_initializer_fails_at_once_on_a_permanent_error_and_retries_a_transient_one() -> None:
+    run = make_run(initializer={"backoffLimit": 4, "activeDeadlineSeconds": 900})
+    job = b.build_initializer_job(run)
+    spec = job["spec"]
+    assert (spec["backoffLimit"], spec["activeDeadlineSeconds"]) == (4, 900)
+    fail_job = spec["podFailurePolicy"]["rules"][0]
+    assert fail_job == {"action": "FailJob", "onExitCodes": {"containerName": "initializer", "operator": "In",
+                                                             "values": [EXIT_PERMANENT]}}
+    pod = spec["template"]["spec"]
+    assert pod["restartPolicy"] == "Never", "podFailurePolicy needs restartPolicy Never"
+    assert container(job)["command"] == ["grpo", "prepare"]
+    assert container(job)["image"] == DEFAULT_TRAINER_IMAGE
+    assert "token" not in volumes_of(job) and "dshm" not in volumes_of(job)
+    assert job["metadata"]["name"] == "r1-init"
+    assert spec["template"]["metadata"]["labels"][b.COMPONENT_LABEL] == b.INITIALIZER
+
+
+def test_env_reads_secrets_config_maps_and_pod_fields() -> None:
+    env = [{"name": "KEY", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+           {"name": "CFG", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "x", "optional": True}}},
+           {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+           {"name": "PLAIN", "value": "1"}]
+    run = make_run(server={"env": env}, trainer={"env": env})
+    for pod in every_pod(run):
+        got = raw_env(pod)
+        assert got["KEY"] == {"name": "KEY", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}
+        assert got["CFG"]["valueFrom"] == {"configMapKeyRef": {"name": "c", "key": "x", "optional": True}}
+        assert got["POD"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        assert got["PLAIN"] == {"name": "PLAIN", "value": "1"}
+
+
+def test_pod_labels_annotations_volumes_and_pull_secrets_reach_the_pods_ours_win() -> None:
+    run = make_run(
+        server={"podLabels": {"team": "a"}, "podAnnotations": {"note": "s"},
+                "volumes": [{"name": "certs", "secret": {"secretName": "ca"}}],
+                "volumeMounts": [{"name": "certs", "mountPath": "/etc/ssl/corp", "readOnly": True}]},
+        trainer={"podLabels": {"team": "b"}, "podAnnotations": {"grpo.dev/attempt": "99"},
+                 "volumes": [{"name": "scratch", "emptyDir": {}}],
+                 "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]},
+        scheduling={"imagePullSecrets": ["creds"]},
+    )
+    server, trainer = b.build_server_deployment(run, 3, 1), b.build_trainer_job(run, 3)
+    s_meta, t_meta = server["spec"]["template"]["metadata"], trainer["spec"]["template"]["metadata"]
+    assert s_meta["labels"]["team"] == "a" and s_meta["annotations"]["note"] == "s"
+    assert s_meta["labels"][b.RUN_LABEL] == "r1" and s_meta["labels"][b.ATTEMPT_LABEL] == "3"
+    assert t_meta["labels"]["team"] == "b"
+    assert t_meta["annotations"][b.ATTEMPT_ANNOTATION] == "3", "the operator's annotation wins"
+    assert volumes_of(server)["certs"] == {"name": "certs", "secret": {"secretName": "ca"}}
+    assert mounts_of(server)["certs"] == {"name": "certs", "mountPath": "/etc/ssl/corp", "readOnly": True}
+    assert "scratch" in volumes_of(trainer) and "scratch" not in volumes_of(server)
+    init = b.build_initializer_job(run)
+    assert "scratch" in volumes_of(init), "the initializer shares the trainer's pod settings"
+    for pod in (server, trainer, init):
+        assert pod["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "creds"}]
+
+
+def test_images_default_from_the_operator_and_a_spec_image_wins() -> None:
+    images = b.Images(server="registry.corp/server:1", trainer="registry.corp/trainer:1")
+    run = make_run()
+    assert container(b.build_server_deployment(run, 1, 1, images))["image"] == "registry.corp/server:1"
+    assert container(b.build_trainer_job(run, 1, images))["image"] == "registry.corp/trainer:1"
+    assert container(b.build_initializer_job(run, images))["image"] == "registry.corp/trainer:1"
+    assert container(b.build_server_deployment(run, 1, 1))["image"] == DEFAULT_SERVER_IMAGE
+    named = make_run(server={"image": "mine/server:2"}, trainer={"image": "mine/trainer:2"})
+    assert container(b.build_server_deployment(named, 1, 1, images))["image"] == "mine/server:2"
+    assert container(b.build_initializer_job(named, images))["image"] == "mine/trainer:2"
+
+
+def test_the_trainer_joins_the_servers_node_when_a_claim_cannot_span_nodes() -> None:
+    user = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}},
+            "podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{"topologyKey": "zone",
+                                                                                "labelSelector": {}}]}}
+    run = make_run(scheduling={"affinity": user})
+    job = b.build_trainer_job(run, 1, placement=b.Placement(same_node=True))
+    affinity = job["spec"]["template"]["spec"]["affinity"]
+    terms = affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms[0] == {"topologyKey": "zone", "labelSelector": {}}, "the user's term stays"
+    assert terms[1] == {"labelSelector": {"matchLabels": b.selector(run, b.SERVER)},
+                        "topologyKey": "kubernetes.io/hostname"}
+    assert affinity["nodeAffinity"] == user["nodeAffinity"]
+    assert b.build_server_deployment(run, 1, 1)["spec"]["template"]["spec"]["affinity"] == user
+    plain = b.build_trainer_job(make_run(), 1, placement=b.Placement(same_node=False))
+    assert "affinity" not in plain["spec"]["template"]["spec"]
+    colocate = b.build_trainer_job(make_run(mode="colocate"), 1, placement=b.Placement(same_node=True))
+    assert "affinity" not in colocate["spec"]["template"]["spec"], "one pod has no one to join"
+
+
+@pytest.mark.parametrize(
+    ("modes", "same_node"),
+    [
+        ({"data": ["ReadWriteMany"]}, False),
+        ({"data": ["ReadWriteOnce"]}, True),
+        ({"data": None}, True),
+        ({"data": ["ReadWriteMany"], "models": ["ReadOnlyMany"]}, False),
+        ({"data": ["ReadWriteMany"], "models": ["ReadWriteOnce"]}, True),
+        ({"data": ["ReadOnlyMany"]}, True),
+    ],
+)
+def test_same_node_follows_the_claims_access_modes(modes: dict[str, list[str] | None], same_node: bool) -> None:
+    assert b.needs_same_node(modes, "data") is same_node
+
+
+def test_grpo_run_fetches_hf_sources_into_the_run_directory_and_refuses_cluster_sources(tmp_path: Path) -> None:
+    run = make_run(model={"name": "m", "source": "hf://org/m@v2"}, rewards=[{"function": "mine:f"}],
+                   rewardCode={"inline": {"mine.py": "def f(**k):\n    return []\n"}})
+    cfg = run_config_for(run, volume_root=tmp_path, server_url="http://127.0.0.1:1", token_file=None)
+    assert cfg.sources.model_dir == str(tmp_path / "hub/models/org/m/v2")
+    assert cfg.sources.inline_rewards_dir == str(tmp_path / "rewards")
+    assert cfg.reward_search_paths()[0] == tmp_path / "rewards"
+    for spec in ({"model": {"name": "m", "source": "pvc://models/m"}},
+                 {"dataset": {"source": "configmap://p", "path": "p.jsonl"}},
+                 {"rewardCode": {"source": "configmap://r"}}):
+        field = next(iter(spec))
+        with pytest.raises(RunConfigError, match=f"spec.{field}.source"):
+            run_config_for(make_run(**spec), volume_root=tmp_path, server_url="", token_file=None)
