@@ -5,7 +5,8 @@
 #
 #   hack/build-testbin.sh            # build what is missing, print the bin dir
 #   GRPO_TESTBIN=/some/dir hack/...  # use another cache root
-#   hack/build-testbin.sh etcd k8s   # only these (targets: etcd k8s helm promtool prometheus coredns pause)
+#   hack/build-testbin.sh etcd k8s   # only these (targets: etcd k8s helm promtool prometheus coredns pause
+#                                    #   containerd)
 #
 # k8s is kube-apiserver, kube-controller-manager, kubectl (the integration tests' control plane) and
 # kube-scheduler, kubelet, kube-proxy (the real node of hack/cluster.sh), in one go build.
@@ -23,6 +24,8 @@ ETCD_VERSION=${ETCD_VERSION:-3.6.16}
 HELM_VERSION=${HELM_VERSION:-3.22.0}
 PROM_VERSION=${PROM_VERSION:-0.316.0}     # Prometheus 3.16.0
 COREDNS_VERSION=${COREDNS_VERSION:-1.15.0}
+# containerd 2.1+ mounts OCI images as volumes (Kubernetes image volumes); Debian's 1.6 cannot.
+CONTAINERD_VERSION=${CONTAINERD_VERSION:-2.4.2}
 # The control plane for the integration tests and the node agents for the real-node tests share most
 # packages: one go build of all six pays for them once.
 K8S_BINARIES="kube-apiserver kube-controller-manager kubectl kube-scheduler kubelet kube-proxy"
@@ -157,7 +160,24 @@ build_pause() {
   rm -rf "$d"
 }
 
-targets=${*:-etcd k8s helm promtool prometheus coredns pause}
+build_containerd() {  # containerd, its runc shim and ctr; containerd.version says which (a bump rebuilds)
+  local b missing=""
+  for b in containerd containerd-shim-runc-v2 ctr; do [ -x "$BIN/$b" ] || missing="$missing $b"; done
+  [ -z "$missing" ] && [ "$(cat "$BIN/containerd.version" 2>/dev/null)" = "$CONTAINERD_VERSION" ] && return
+  log "building containerd, containerd-shim-runc-v2, ctr v$CONTAINERD_VERSION (static, no btrfs/devmapper/zfs)"
+  local d; d=$(wrapper containerd); cd "$d"
+  go mod edit -require="github.com/containerd/containerd/v2@v$CONTAINERD_VERSION"
+  printf '//go:build tools\npackage tools\nimport (\n\t_ "github.com/containerd/containerd/v2/cmd/containerd"\n\t_ "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2"\n\t_ "github.com/containerd/containerd/v2/cmd/ctr"\n)\n' > tools.go
+  go mod tidy >/dev/null 2>&1 || true
+  go build -trimpath -tags "no_btrfs no_devmapper no_zfs urfave_cli_no_docs" \
+    -ldflags "-s -w -X github.com/containerd/containerd/v2/version.Version=v$CONTAINERD_VERSION" \
+    -o "$BIN/" github.com/containerd/containerd/v2/cmd/containerd \
+    github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 github.com/containerd/containerd/v2/cmd/ctr
+  echo "$CONTAINERD_VERSION" > "$BIN/containerd.version"
+  cd /; rm -rf "$d"
+}
+
+targets=${*:-etcd k8s helm promtool prometheus coredns pause containerd}
 for t in $targets; do
   # One builder per tool at a time: a second caller (another test session) waits, then finds it built.
   ( flock 9; "build_$t" ) 9>"$BIN/.build-$t.lock"

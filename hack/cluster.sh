@@ -6,14 +6,15 @@
 #   hack/cluster.sh deps          # install the Debian packages the node and hack/images.sh need
 #   hack/cluster.sh up            # build/fetch what is missing, start, wait for the node and DNS
 #   hack/cluster.sh images        # import the project's images (hack/images.sh build) into containerd
+#   hack/cluster.sh images A.tar  # import these image archives (e.g. hack/images.sh data)
 #   hack/cluster.sh volumes       # (re)make the pool of hostPath PersistentVolumes; Released ones are wiped
 #   hack/cluster.sh env           # print `export KUBECONFIG=...` and the tool paths
 #   hack/cluster.sh down          # stop everything and undo what `up` changed on the machine
 #   hack/cluster.sh down --purge  # ... and delete the cluster's state (etcd, certificates, volumes), keeping
 #                                 # the imported images; --purge-all deletes those too
 #
-# Kubernetes, etcd and CoreDNS binaries come from hack/build-testbin.sh (Go module proxy, cached under
-# ~/.cache); containerd, runc, the CNI plugins and iptables from Debian (apt-get, once). Everything the
+# Kubernetes, etcd, CoreDNS and containerd 2 binaries come from hack/build-testbin.sh (Go module proxy,
+# cached under ~/.cache); runc, the CNI plugins and iptables from Debian (apt-get, once). Everything the
 # cluster writes lives under $GRPO_NODE_DIR (/var/lib/grpo-node) and /run/grpo-node; `down` stops
 # processes by their recorded pids and removes the mounts, network namespaces, cgroups, iptables chains,
 # bridge and sysctl changes they made. Storage: a default StorageClass `standard` backed by a pool of
@@ -31,14 +32,17 @@ SOCK=$RUN/containerd.sock
 NODE=grpo-node
 SVC_CIDR=10.0.0.0/24 POD_SUBNET=10.244.0.0/24 DNS_IP=10.0.0.10 API_PORT=6443 BRIDGE=grpo0
 VOLUME_COUNT=${GRPO_NODE_VOLUMES:-16} VOLUME_SIZE=20Gi
-APT_PACKAGES="containerd runc containernetworking-plugins iptables conntrack ethtool socat kmod iproute2 curl openssl
+APT_PACKAGES="runc containernetworking-plugins iptables conntrack ethtool socat kmod iproute2 curl openssl
               buildah mmdebstrap skopeo uidmap fuse-overlayfs"   # the last line: hack/images.sh
 
 t0=$(date +%s%N)
 say() { awk -v a="$t0" -v b="$(date +%s%N)" -v m="$*" 'BEGIN {printf "[cluster %5.1fs] %s\n", (b-a)/1e9, m}' >&2; }
 die() { echo "[cluster] $*" >&2; exit 1; }
 
-testbin() { GRPO_TESTBIN_DIR=${GRPO_TESTBIN_DIR:-$(bash "$REPO/hack/build-testbin.sh" etcd k8s coredns pause)}; BIN=$GRPO_TESTBIN_DIR; }
+testbin() {
+  GRPO_TESTBIN_DIR=${GRPO_TESTBIN_DIR:-$(bash "$REPO/hack/build-testbin.sh" etcd k8s coredns pause containerd)}
+  BIN=$GRPO_TESTBIN_DIR
+}
 node_ip() { ip -4 route get 1.1.1.1 2>/dev/null | sed -nE 's/.* src ([0-9.]+).*/\1/p'; }   # a route lookup, no traffic
 kubectl_() { "$BIN/kubectl" --kubeconfig="$STATE/admin.kubeconfig" "$@"; }
 
@@ -71,7 +75,8 @@ stop_process() {  # stop_process NAME : SIGTERM the group, up to 15 s, then SIGK
   fi
   rm -f "$f"
 }
-containerd_up() { [ -S "$SOCK" ] && timeout 5 ctr --address "$SOCK" version >/dev/null 2>&1; }   # ctr waits 10 s on a missing socket
+ctr_() { "$BIN/ctr" --address "$SOCK" -n k8s.io "$@"; }   # containerd's own client, built with it
+containerd_up() { [ -S "$SOCK" ] && timeout 5 "$BIN/ctr" --address "$SOCK" version >/dev/null 2>&1; }   # ctr waits 10 s on a missing socket
 
 # --------------------------------------------------------------------------------------------- configs
 packages() {
@@ -128,29 +133,32 @@ write_configs() {
   write_kubeconfig "$CONF/coredns.kubeconfig" system:coredns
 
   write_file "$CONF/containerd.toml" <<TOML
-version = 2
+# containerd 2 (built by hack/build-testbin.sh): 2.1+ mounts OCI images as volumes (image volumes).
+version = 3
 root = "$STATE/containerd"
 state = "$RUN/containerd"
-disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.devmapper"]
+disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper"]
 [grpc]
   address = "$SOCK"
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "$PAUSE_IMAGE"
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = "overlayfs"
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    sandbox = "$PAUSE_IMAGE"
+[plugins."io.containerd.cri.v1.runtime"]
   enable_unprivileged_ports = true
   enable_unprivileged_icmp = true
   # Root here may lack CAP_SYS_RESOURCE: the kubelet's oom_score_adj of -998 for sandboxes would make runc
   # fail ("can't get final child's PID from pipe"). Cap every requested score at containerd's own.
   restrict_oom_score_adj = true
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
+  [plugins."io.containerd.cri.v1.runtime".containerd]
     default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
         BinaryName = "$(command -v runc)"
         SystemdCgroup = false
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "/usr/lib/cni"
+  [plugins."io.containerd.cri.v1.runtime".cni]
+    bin_dirs = ["/usr/lib/cni"]
     conf_dir = "$CONF/cni"
 TOML
   mkdir -p "$CONF/cni"
@@ -256,7 +264,8 @@ up() {
     --authentication-kubeconfig="$CONF/scheduler.kubeconfig" --authorization-kubeconfig="$CONF/scheduler.kubeconfig" \
     --leader-elect=false --bind-address=127.0.0.1 --secure-port=10259 --profiling=false
   if ! containerd_up; then
-    start_process containerd containerd --config "$CONF/containerd.toml"
+    # containerd finds its runc shim on PATH
+    start_process containerd env PATH="$BIN:$PATH" "$BIN/containerd" --config "$CONF/containerd.toml"
     local i; for i in $(seq 150); do containerd_up && break; require_running containerd; sleep 0.2; done
     containerd_up || die "containerd did not open $SOCK"
     say "containerd up"
@@ -346,14 +355,23 @@ YAML
 # ----------------------------------------------------------------------------------------------- images
 import_images() {  # import_images [NAME-PREFIX] : archives from hack/images.sh, skipping what is there
   local filter=${1:-} ref archive present
-  present=$(ctr --address "$SOCK" -n k8s.io images ls -q)
+  present=$(ctr_ images ls -q)
   while read -r ref archive; do
     case $ref in localhost/$filter*) ;; *) continue ;; esac
     grep -qxF "$ref" <<<"$present" && continue
     [ -s "$archive" ] || die "no archive for $ref: run hack/images.sh build"
-    ctr --address "$SOCK" -n k8s.io images import "$archive" >/dev/null
+    ctr_ images import "$archive" >/dev/null
     say "imported $ref"
   done < <(bash "$REPO/hack/images.sh" list)
+}
+
+import_archives() {  # import_archives ARCHIVE... : other images (hack/images.sh data), as they are
+  local archive
+  for archive in "$@"; do
+    [ -s "$archive" ] || die "no archive $archive"
+    ctr_ images import "$archive" >/dev/null
+    say "imported $archive"
+  done
 }
 
 # ------------------------------------------------------------------------------------------------- down
@@ -363,16 +381,10 @@ down() {
   for n in coredns kube-proxy kubelet; do stop_process $n; done   # nothing may restart pods while they go
   if containerd_up; then
     local c
-    for c in $(ctr --address "$SOCK" -n k8s.io tasks ls -q 2>/dev/null); do
-      ctr --address "$SOCK" -n k8s.io tasks kill -a -s SIGKILL "$c" >/dev/null 2>&1 || true
-    done
+    for c in $(ctr_ tasks ls -q 2>/dev/null); do ctr_ tasks kill -a -s SIGKILL "$c" >/dev/null 2>&1 || true; done
     sleep 1
-    for c in $(ctr --address "$SOCK" -n k8s.io tasks ls -q 2>/dev/null); do
-      ctr --address "$SOCK" -n k8s.io tasks delete -f "$c" >/dev/null 2>&1 || true
-    done
-    for c in $(ctr --address "$SOCK" -n k8s.io containers ls -q 2>/dev/null); do
-      ctr --address "$SOCK" -n k8s.io containers delete "$c" >/dev/null 2>&1 || true
-    done
+    for c in $(ctr_ tasks ls -q 2>/dev/null); do ctr_ tasks delete -f "$c" >/dev/null 2>&1 || true; done
+    for c in $(ctr_ containers ls -q 2>/dev/null); do ctr_ containers delete "$c" >/dev/null 2>&1 || true; done
   fi
   stop_process containerd
   for n in kube-scheduler kube-controller-manager kube-apiserver etcd; do stop_process $n; done
@@ -427,7 +439,8 @@ env_() {
 case ${1:-} in
   deps) mkdir -p "$LOG"; packages ;;
   up) up ;;
-  images) mkdir -p "$LOG"; containerd_up || die "the cluster is not up"; import_images ;;
+  images) shift; mkdir -p "$LOG"; testbin_quiet; containerd_up || die "the cluster is not up"
+          if [ $# -gt 0 ]; then import_archives "$@"; else import_images; fi ;;
   volumes) testbin_quiet; volumes ;;
   env) env_ ;;
   down) shift; down "${1:-}" ;;

@@ -5,6 +5,8 @@
 #   hack/images.sh build        # base, pause, operator, server (CPU variant), trainer -> archives
 #   hack/images.sh build pause  # only these (and the base)
 #   hack/images.sh list         # print "REF ARCHIVE" for each image (what cluster.sh imports)
+#   hack/images.sh data REF DIR DEST   # an image holding only DIR at DEST (an oci:// source for the
+#                                      # tests: `hack/cluster.sh images ARCHIVE` loads it); prints ARCHIVE
 #
 # Images are docker-archive tarballs under ~/.cache/grpo-images, each named by a hash of its inputs
 # (Dockerfile, build arguments, project files, base image), so a warm machine skips every build and
@@ -144,8 +146,21 @@ list_all() {
   local n; for n in pause grpo-base grpo-operator grpo-server grpo-trainer; do echo "$(ref_of "$n") $(archive_of "$n")"; done
 }
 
+data_image() {  # data_image REF DIR DEST : files only (no OS), as images mounted as volumes are
+  local c archive
+  archive="$CACHE/data-$(echo "$1" | tr -c 'A-Za-z0-9.\n-' '_').tar"
+  c=$(buildah from scratch)
+  buildah copy --chmod 0755 "$c" "$2" "$3" >/dev/null
+  buildah commit --quiet --rm "$c" "$1" >/dev/null
+  rm -f "$archive"
+  buildah push --quiet "$1" "docker-archive:$archive:$1" >/dev/null
+  buildah rmi "$1" >/dev/null 2>&1 || true
+  echo "$archive"
+}
+
 case ${1:-build} in
   build) shift || true; ( flock 9; build_all "$@" ) 9>"$CACHE/.lock"; list_all ;;
   list) list_all ;;
-  *) echo "usage: $0 build|list" >&2; exit 2 ;;
+  data) [ $# -eq 4 ] || { echo "usage: $0 data REF DIR DEST" >&2; exit 2; }; data_image "$2" "$3" "$4" ;;
+  *) echo "usage: $0 build|list|data" >&2; exit 2 ;;
 esac

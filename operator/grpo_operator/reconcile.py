@@ -12,6 +12,7 @@ Runs in a worker thread (the Kubernetes client and the health check block).
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import secrets
 import time
@@ -121,6 +122,16 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: Children) -> float:
     return delay
 
 
+def _api_message(exc: ApiException) -> str:
+    """The API server's own message (a Status body), else its reason."""
+    try:
+        body = json.loads(exc.body or "{}")
+    except (TypeError, ValueError):
+        body = {}
+    message = body.get("message") if isinstance(body, dict) else None
+    return str(message or f"{exc.status} {exc.reason}")
+
+
 def _failed(rt: Runtime, meta: dict[str, Any], message: str, error: str) -> None:
     """Count and log a failed reconcile; post one Warning per distinct error (not one per retry)."""
     metrics.RECONCILE_ERRORS.labels(error=error).inc()
@@ -172,7 +183,18 @@ def _reconcile(rt: Runtime, body: dict[str, Any], children: Children) -> float:
 
     observed = observe(rt, run, status, children, now)
     decision = decide(run.spec, status, observed, generation=generation)
-    deleted = execute(rt, run, children, decision)
+    try:
+        deleted = execute(rt, run, children, decision)
+    except ApiException as exc:
+        if exc.status != 422:
+            raise
+        # The API server refuses a child built from the spec (an extra volume, env or label it cannot
+        # carry): no retry can fix it, so the run fails with the server's words instead of looping.
+        decision = reject(status, f"a child of the run was refused by the API server: {_api_message(exc)}",
+                          now, generation=generation)
+        _record(rt, meta, raw_status, status, decision)
+        _count_failures(namespace, name, decision)
+        return rt.config.reconcile_interval
     if not deleted:
         _record(rt, meta, raw_status, status, decision)
         _count(run, status, decision, children, now)

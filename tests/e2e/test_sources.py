@@ -1,10 +1,18 @@
-"""A run whose sources cannot be used fails before any server, on a real node: the initializer (the
-trainer image's `grpo prepare`) names the problem, the Job's podFailurePolicy stops it at once, and the
-run is Failed/SourceUnavailable with the initializer's words."""
+"""Sources on a real node: a run whose sources cannot be used fails before any server (the
+initializer, the trainer image's `grpo prepare`, names the problem, the Job's podFailurePolicy stops
+it at once, the run is Failed/SourceUnavailable with its words); an hf:// model is fetched once from
+a mirror by the initializer and trained on; an oci:// model is an image volume. The ConfigMap and
+claim sources are the example's own (tests/e2e/test_example_run.py)."""
 
 from __future__ import annotations
 
-from tests.e2e.conftest import NAMESPACE, Node, describe, example_run, wait_for
+import os
+import subprocess
+
+import pytest
+
+from tests.e2e.conftest import NAMESPACE, REPO, Node, describe, example_run, wait_for, wait_phase
+from tests.fixtures.hub import repo_files, running_hub
 
 
 def test_a_missing_reward_function_fails_the_run_before_any_server(node: Node, staged: str) -> None:
@@ -30,3 +38,62 @@ def test_a_missing_reward_function_fails_the_run_before_any_server(node: Node, s
     assert terminated["exitCode"] == 2, terminated
     events = [e["reason"] for e in node.list("events", "", NAMESPACE) if e["involvedObject"].get("name") == run]
     assert "SourceUnavailable" in events, events
+
+
+def test_an_hf_model_is_fetched_once_from_a_mirror_by_the_initializer_and_the_run_trains_on_it(
+        node: Node, staged: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The hub path on the node: a hub-compatible server on the host plays the mirror (no hub is
+    reachable from CI); the initializer pod fetches through huggingface_hub with the token from a
+    Secret, the server and trainer load what it fetched, and nothing else ever sees the token."""
+    from grpo_testmodels import make_model
+
+    run, token = "from-hub", "hf_e2e_secret_token"
+    model = make_model(tmp_path_factory.mktemp("hub") / "tiny", preset="tiny", seed=0)
+    node_ip = node.kubectl("get", "node", "-o", "jsonpath={.items[0].status.addresses[?(@.type=='InternalIP')]"
+                           ".address}").stdout.strip()
+    node.kubectl("create", "secret", "generic", "hub-token", "-n", NAMESPACE, f"--from-literal=token={token}")
+    with running_hub("0.0.0.0", node_ip) as hub:
+        files = repo_files(model)
+        hub.add("org/tiny", files)
+        spec = example_run(node, run, maxSteps=4)
+        spec["spec"]["model"] = {"name": "tiny-qwen2", "source": "hf://org/tiny@main", "dtype": "float32",
+                                 "hub": {"endpoint": hub.url, "tokenSecretRef": {"name": "hub-token", "key": "token"}}}
+        node.apply(spec)
+        status = wait_phase(node, run, "Succeeded", 15 * 60)
+
+    assert status["sources"]["ready"] and status["attempt"] == 1, status
+    assert sorted(hub.file_gets()) == sorted(files), "every file fetched exactly once"
+    assert {r.authorization for r in hub.requests} == {f"Bearer {token}"}, "the token reached the mirror"
+    init = node.get("job", f"{run}-init")
+    assert init is not None and init["status"].get("succeeded") == 1
+    for component in ("server", "trainer"):
+        (pod,) = node.list("pod", f"grpo.dev/run={run},grpo.dev/component={component}")
+        env = pod["spec"]["containers"][0].get("env", [])
+        assert not [e for e in env if "secretKeyRef" in (e.get("valueFrom") or {})], env
+
+
+def test_an_oci_image_model_is_mounted_as_an_image_volume_and_trained_on(
+        node: Node, staged: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """oci:// on the node: an image holding only the model (as a team would push to its registry) is
+    mounted read-only by the kubelet and containerd 2 in every pod of the run (Kubernetes image volumes)."""
+    from grpo_testmodels import make_model
+
+    run, ref = "from-image", "localhost/grpo-e2e-model:tiny"
+    model = make_model(tmp_path_factory.mktemp("image") / "tiny", preset="tiny", seed=0)
+    archive = subprocess.run(["bash", "hack/images.sh", "data", ref, str(model), "/models/tiny"], cwd=REPO,
+                             check=True, capture_output=True, text=True, timeout=600).stdout.strip()
+    subprocess.run(["bash", "hack/cluster.sh", "images", archive], cwd=REPO, check=True, timeout=300,
+                   env={**os.environ, **node.env})
+    spec = example_run(node, run, maxSteps=4)
+    spec["spec"]["model"] = {"name": "tiny-qwen2", "source": f"oci://{ref}", "path": "models/tiny",
+                             "dtype": "float32"}
+    node.apply(spec)
+    status = wait_phase(node, run, "Succeeded", 15 * 60)
+
+    assert status["sources"]["ready"] and "/mnt/grpo/model/models/tiny" in status["sources"]["progress"], status
+    for component in ("initializer", "server", "trainer"):
+        (pod,) = node.list("pod", f"grpo.dev/run={run},grpo.dev/component={component}")
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        assert volumes["src-model"]["image"]["reference"] == ref, volumes
+        mounts = {m["name"]: m for m in pod["spec"]["containers"][0]["volumeMounts"]}
+        assert mounts["src-model"]["readOnly"] is True
