@@ -355,7 +355,7 @@ YAML
 # ----------------------------------------------------------------------------------------------- images
 import_images() {  # import_images [NAME-PREFIX] : archives from hack/images.sh, skipping what is there
   local filter=${1:-} ref archive present
-  present=$(ctr_ images ls -q)
+  present=$(ctr_ images ls -q 2>/dev/null)   # (a cgroup v1 host makes ctr warn on every call)
   while read -r ref archive; do
     case $ref in localhost/$filter*) ;; *) continue ;; esac
     grep -qxF "$ref" <<<"$present" && continue

@@ -234,6 +234,9 @@ class ModelSpec(ApiModel):
         _check_source_path("model", self.source, self.path)
         if self.hub is not None and not (self.source or "").startswith("hf://"):
             raise ValueError("model.hub applies only to an hf:// model.source")
+        if self.source is not None and self.revision is not None:
+            raise ValueError("model.revision applies to a model resolved by name; with a source, write "
+                             "hf://ORG/NAME@REVISION")
         return self
 
 
@@ -271,7 +274,14 @@ def _source_rules(section: str) -> list[dict[str, str]]:
     ]
 
 
-MODEL_RULES = _source_rules("model")
+MODEL_RULES = [
+    *_source_rules("model"),
+    _cel(
+        "!has(self.source) || !has(self.revision)",
+        "model.revision applies to a model resolved by name; with a source, write hf://ORG/NAME@REVISION",
+        fieldPath=".revision",
+    ),
+]
 
 
 class DatasetFormat(StrEnum):

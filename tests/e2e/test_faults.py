@@ -114,7 +114,7 @@ def test_operator_pod_deleted_mid_run_comes_back_without_duplicate_children(
     assert status["attempt"] == 1, status
     found = children(node, run)
     assert found["deployment"] == [f"{run}-server"], found
-    assert found["job"] == [f"{run}-trainer-1"], found
+    assert found["job"] == [f"{run}-init", f"{run}-trainer-1"], found
     assert found["service"] == [f"{run}-server"], found
     assert_each_step_once(volume, run, STEPS)
 

@@ -34,6 +34,17 @@ from tests.fixtures.hub import FakeHub, repo_files, running_hub
 
 TOKEN = "hf_secret_TOKEN_0123456789"
 
+@pytest.fixture(autouse=True)
+def online_to_the_fake_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hack/test.sh sets HF_HUB_OFFLINE=1 for the whole suite (nothing may reach the real hub); these
+    tests reach only the local fake hub, so the library is online here, as in an initializer pod."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+
+
 @pytest.fixture
 def hub() -> Iterator[FakeHub]:
     with running_hub() as fake:

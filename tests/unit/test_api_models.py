@@ -75,6 +75,8 @@ SOURCE_AND_POD_SPECS: list[Invalid] = [
             "spec.model.source", "'..'", "spec.model", "'..'"),
     Invalid("model-hub-without-hf-source", {"model": {"name": "m", "path": "/m", "hub": {"endpoint": "https://mirror"}}},
             "spec.model.hub", "applies only to an hf://", "spec.model", "applies only to an hf://"),
+    Invalid("model-revision-beside-a-source", {"model": {"name": "m", "source": "hf://org/m@v1", "revision": "v2"}},
+            "spec.model.revision", "write hf://ORG/NAME@REVISION", "spec.model", "write hf://ORG/NAME@REVISION"),
     Invalid("hub-endpoint-not-http", {"model": {"name": "m", "source": "hf://org/m@v1", "hub": {"endpoint": "ftp://x"}}},
             "spec.model.hub.endpoint", "should match", "spec.model.hub.endpoint", "should match pattern"),
     Invalid("dataset-configmap-path-not-a-key",
