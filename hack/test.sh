@@ -9,8 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-step() { printf '\n== %s\n' "$*"; }
 t0=$(date +%s)
+step() { printf '\n== [%ss] %s\n' "$(( $(date +%s) - t0 ))" "$*"; }   # seconds since the start: the cost of each step
 
 step "python environment (.venv)"
 bash hack/venv.sh
@@ -21,7 +21,7 @@ GRPO_TESTBIN_DIR=$(bash hack/build-testbin.sh)
 export GRPO_TESTBIN_DIR
 ls "$GRPO_TESTBIN_DIR"
 
-step "real-node packages (Debian: containerd, runc, CNI plugins, iptables, buildah, mmdebstrap)"
+step "real-node packages (Debian: runc, CNI plugins, iptables, buildah, mmdebstrap)"
 bash hack/cluster.sh deps
 
 step "images from the Dockerfiles (hack/images.sh, cached under ~/.cache/grpo-images)"
