@@ -452,7 +452,7 @@ def _env_var(var: EnvVar) -> dict[str, Any]:
 
 
 def _env(
-    run: GRPORun, attempt: int, ours: list[tuple[str, str]], user: list[EnvVar], *, token: bool
+    run: GRPORun, attempt: int, ours: list[dict[str, Any]], user: list[EnvVar], *, token: bool
 ) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": ENV_RUN_CONFIG, "value": RUN_CONFIG_PATH},
@@ -463,7 +463,7 @@ def _env(
     cache = run.spec.storage.model_cache
     if cache is not None:
         env.append({"name": "HF_HOME", "value": cache.mount_path})
-    env.extend({"name": name, "value": value} for name, value in ours)
+    env.extend(ours)
     # User variables come last so they may override ours on purpose.
     env.extend(_env_var(var) for var in user)
     return env
@@ -638,7 +638,7 @@ def build_trainer_job(
     images = images or Images()
     placement = placement or Placement()
     server_mode = run.spec.mode == Mode.SERVER
-    ours = [(ENV_SERVER_URL, server_url(run))] if server_mode else []
+    ours = [{"name": ENV_SERVER_URL, "value": server_url(run)}] if server_mode else []
     container = {
         "name": "trainer",
         "image": trainer.image or images.trainer,
@@ -692,17 +692,17 @@ def build_initializer_job(run: GRPORun, images: Images | None = None) -> dict[st
     trainer = run.spec.trainer
     init = run.spec.initializer
     images = images or Images()
-    tokens = [
+    ours: list[dict[str, Any]] = [
         {"name": env, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
         for env, secret, key in hub_tokens(run.spec)
     ]
-    env = _env(run, 0, [("HF_HUB_DISABLE_TELEMETRY", "1")], trainer.env, token=False)
+    ours.append({"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"})
     container = {
         "name": INITIALIZER,
         "image": trainer.image or images.trainer,
         "imagePullPolicy": trainer.image_pull_policy,
         "command": ["grpo", "prepare"],
-        "env": [*env[:2], *tokens, *env[2:]],
+        "env": _env(run, 0, ours, trainer.env, token=False),
         "resources": _resources(init.resources),
         "volumeMounts": _mounts(run, _extra_mounts(trainer), shm=False, token=False),
         "terminationMessagePolicy": "FallbackToLogsOnError",
