@@ -136,6 +136,9 @@ class LocalRun:
         health = self.check_health() if wants_health(self.run.spec, self.status) else None
         trainer, message = self.trainer_state(attempt)
         initializer, init_message = self.child_state(self.initializer)
+        init_progress = self.initializer_progress()
+        if initializer == TrainerState.FAILED and init_progress:
+            init_message = init_progress  # its own last words (the protocol's failed line), not the exit code
         progress = self.read_progress()
         if progress is not None and (not self.samples or self.samples[-1].step != progress.step):
             self.samples.append(progress)
@@ -149,7 +152,7 @@ class LocalRun:
             server_url=self.config.server_url,
             initializer=initializer,
             initializer_message=init_message,
-            initializer_progress=self.initializer_progress(),
+            initializer_progress=init_progress,
         )
 
     def initializer_progress(self) -> str | None:

@@ -398,7 +398,9 @@ def _source_volume(volume: SourceVolume) -> dict[str, Any]:
     if volume.kind == "image":
         # A Kubernetes image volume: the OCI image's file system, read-only (ImageVolume, 1.33+).
         return {"name": volume.name, "image": {"reference": volume.ref}}
-    return {"name": volume.name, "configMap": {"name": volume.ref}}
+    # optional: a missing ConfigMap (a typo, not staged yet) leaves an empty directory, so the
+    # initializer starts and names the missing file instead of its pod waiting for a mount forever.
+    return {"name": volume.name, "configMap": {"name": volume.ref, "optional": True}}
 
 
 def _volumes(
@@ -693,7 +695,9 @@ def build_initializer_job(run: GRPORun, images: Images | None = None) -> dict[st
     init = run.spec.initializer
     images = images or Images()
     ours: list[dict[str, Any]] = [
-        {"name": env, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+        # optional: a missing Secret or key leaves the variable unset, which the initializer reports
+        # (naming hub.tokenSecretRef) instead of its pod never starting.
+        {"name": env, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}}}
         for env, secret, key in hub_tokens(run.spec)
     ]
     ours.append({"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"})

@@ -68,7 +68,7 @@ class OperatorConfig:
     metrics_port: int = 9090
     #: Who may reach a run's server besides its trainer (a NetworkPolicy per run); None: no policy.
     server_ingress: builders.ServerIngress | None = field(default_factory=builders.ServerIngress)
-    #: Images of runs whose spec names none (the chart's images.server and images.trainer).
+    #: Images of runs whose spec names none (the chart's runImages.server and runImages.trainer).
     images: builders.Images = field(default_factory=builders.Images)
 
 

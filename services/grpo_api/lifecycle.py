@@ -359,8 +359,18 @@ class _Step:
             detail = self.obs.initializer_message or progress or "no message"
             self.finish(Phase.FAILED, Reason.SOURCE_UNAVAILABLE, f"the initializer failed: {detail}")
             return
+        trouble_text = self.obs.initializer_message
+        stuck = self.initializer_stuck_for()
+        limit = self.spec.initializer.start_timeout_seconds
+        if trouble_text and stuck is not None and stuck >= limit:
+            self.finish(
+                Phase.FAILED,
+                Reason.SOURCE_UNAVAILABLE,
+                f"the initializer did not start within initializer.startTimeoutSeconds ({limit}s): {trouble_text}",
+            )
+            return
         self.actions.append(CreateInitializer())
-        trouble = f" ({self.obs.initializer_message})" if self.obs.initializer_message else ""
+        trouble = f" ({trouble_text})" if trouble_text else ""
         self.set_phase(
             Phase.INITIALIZING,
             Reason.FETCHING_SOURCES,
@@ -368,6 +378,14 @@ class _Step:
         )
         self.actions.append(RequeueAfter(INITIALIZER_POLL_SECONDS))
         self.requeue_for_deadline()
+
+    def initializer_stuck_for(self) -> float | None:
+        """Seconds since the run began initializing, while the initializer has not started (no
+        progress line yet); None once it has."""
+        if self.obs.initializer_progress or self.status.sources.progress:
+            return None
+        started = self.status.start_time or self.now
+        return (self.now - started).total_seconds()
 
     def start_attempt(self, attempt: int, reason: Reason, message: str, *, provision: bool = True) -> None:
         """Begin attempt N: fresh server first (server mode), the trainer straight away (colocate)."""

@@ -862,6 +862,11 @@ class InitializerSpec(ApiModel):
     active_deadline_seconds: int | None = Field(
         default=None, ge=60, description="Fail the run (SourceUnavailable) when the initializer takes longer."
     )
+    start_timeout_seconds: int = Field(
+        default=600, ge=10,
+        description="Fail the run (SourceUnavailable) when the initializer's pod has not started this long "
+        "after the run began and says why (a missing claim, an image that cannot be pulled, unschedulable).",
+    )
 
 
 class CleanupPolicy(StrEnum):

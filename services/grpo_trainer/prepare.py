@@ -263,7 +263,8 @@ def token_for(fetch: HubFetch) -> str | bool | None:
         if not token:
             section = fetch.field.rsplit(".", 1)[0]
             raise PrepareFailed(
-                f"{section}.hub.tokenSecretRef: the token is empty (environment variable {fetch.token_env})",
+                f"{section}.hub.tokenSecretRef: the token is empty, or its Secret or key does not exist "
+                f"(environment variable {fetch.token_env})",
                 permanent=True,
             )
         return token

@@ -40,6 +40,33 @@ def test_a_missing_reward_function_fails_the_run_before_any_server(node: Node, s
     assert "SourceUnavailable" in events, events
 
 
+def test_a_missing_configmap_or_claim_fails_the_run_naming_it(node: Node, staged: str) -> None:
+    """Sources named before they exist (a typo, not staged yet), as a stranger would: a missing ConfigMap
+    is an empty optional mount, so `grpo prepare` names the missing file at once; a missing claim keeps
+    the initializer's pod unschedulable, and initializer.startTimeoutSeconds ends the wait with the
+    scheduler's words. Neither starts a server."""
+    no_prompts = example_run(node, "no-prompts", maxSteps=4)
+    no_prompts["spec"]["dataset"]["source"] = "configmap://not-staged-yet"
+    no_claim = example_run(node, "no-claim", maxSteps=4)
+    no_claim["spec"]["model"]["source"] = "pvc://not-staged-yet/tiny"
+    no_claim["spec"]["initializer"] = {"startTimeoutSeconds": 30}
+    node.apply(no_prompts)
+    node.apply(no_claim)
+
+    def ended(run: str) -> dict | None:
+        status = (node.get("grporun", run) or {}).get("status") or {}
+        return status if status.get("phase") == "Failed" else None
+
+    status = wait_for(lambda: ended("no-prompts"), 300, what="no-prompts to fail", interval=2.0)
+    assert status["reason"] == "SourceUnavailable", status
+    assert "spec.dataset" in status["message"] and "prompts.jsonl" in status["message"], status["message"]
+    status = wait_for(lambda: ended("no-claim"), 300, what="no-claim to fail", interval=2.0)
+    assert status["reason"] == "SourceUnavailable", status
+    assert "startTimeoutSeconds" in status["message"] and "not-staged-yet" in status["message"], status
+    for run in ("no-prompts", "no-claim"):
+        assert node.get("deployment", f"{run}-server") is None, f"{run}: a server was started"
+
+
 def test_an_hf_model_is_fetched_once_from_a_mirror_by_the_initializer_and_the_run_trains_on_it(
         node: Node, staged: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     """The hub path on the node: a hub-compatible server on the host plays the mirror (no hub is

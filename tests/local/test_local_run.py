@@ -186,3 +186,23 @@ def test_a_bad_file_is_refused_before_anything_starts_naming_the_field(
     assert proc.returncode != 0
     assert field in out and str(path) in out, out
     assert not run_dir.exists(), "nothing may start for a bad file"
+
+
+def test_a_missing_reward_function_fails_the_run_before_any_server(
+    tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path
+) -> None:
+    """The initializer process (`grpo prepare`) checks the reward functions first: a missing one ends the
+    run as SourceUnavailable in its own words, and no server process is ever started."""
+    path = run_file(tmp_path, tiny_model_dir, tiny_dataset)
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["rewards"] = [{"function": "mine:no_such_function"}]
+    doc["spec"]["rewardCode"] = {"inline": {"mine.py": "def share(completions, **kwargs):\n    return []\n"}}
+    path.write_text(yaml.safe_dump(doc))
+    run_dir = tmp_path / "run"
+    proc = grpo_run(path, run_dir)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0, out
+    status = json.loads((run_dir / "status.json").read_text())["status"]
+    assert (status["phase"], status["reason"]) == ("Failed", "SourceUnavailable"), status
+    assert "no_such_function" in status["message"] and "exit code" not in status["message"], status["message"]
+    assert [c["role"] for c in children(run_dir)] == ["initializer"], children(run_dir)

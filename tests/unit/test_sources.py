@@ -101,7 +101,9 @@ def test_an_hf_model_is_fetched_by_the_initializer_alone_with_its_token() -> Non
         "endpoint": "https://mirror.corp"}
     assert run_config(run).sources.model_dir == fetch.local_dir
     init = b.build_initializer_job(run)
-    assert raw_env(init)[MODEL_TOKEN_ENV]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    # optional: a missing Secret reaches `grpo prepare` as an unset variable, which it names
+    assert raw_env(init)[MODEL_TOKEN_ENV]["valueFrom"] == {
+        "secretKeyRef": {"name": "hf", "key": "token", "optional": True}}
     for pod in every_pod(run)[1:]:
         assert MODEL_TOKEN_ENV not in raw_env(pod), "only the initializer sees the hub token"
 
@@ -121,7 +123,8 @@ def test_image_and_configmap_sources_become_read_only_volumes() -> None:
     for pod in every_pod(run):
         volumes = volumes_of(pod)
         assert volumes["src-model"] == {"name": "src-model", "image": {"reference": "registry.corp/models/tiny:1"}}
-        assert volumes["src-dataset"] == {"name": "src-dataset", "configMap": {"name": "prompts"}}
+        # optional: a missing ConfigMap is an empty directory, so the initializer names the missing key
+        assert volumes["src-dataset"] == {"name": "src-dataset", "configMap": {"name": "prompts", "optional": True}}
         assert volumes["src-rewards"] == {"name": "src-rewards", "image": {"reference": "registry.corp/rewards:2"}}
         assert all(mounts_of(pod)[name]["readOnly"] for name in ("src-model", "src-dataset", "src-rewards"))
     sources = run_config(run).sources
@@ -136,7 +139,8 @@ def test_inline_reward_code_goes_into_a_config_map_owned_by_the_run() -> None:
     cm = b.build_rewards_config_map(run)
     assert cm is not None and cm["data"] == {"target.py": code}
     assert cm["metadata"]["name"] == "r1-rewards" and cm["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
-    assert volumes_of(b.build_trainer_job(run, 1))["src-rewards"]["configMap"] == {"name": "r1-rewards"}
+    assert volumes_of(b.build_trainer_job(run, 1))["src-rewards"]["configMap"] == {"name": "r1-rewards",
+                                                                                  "optional": True}
     assert run_config(run).sources.reward_paths == [REWARDS_DIR]
     assert b.build_rewards_config_map(make_run()) is None
 
