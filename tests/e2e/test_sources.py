@@ -15,6 +15,18 @@ from tests.e2e.conftest import NAMESPACE, REPO, Node, describe, example_run, wai
 from tests.fixtures.hub import repo_files, running_hub
 
 
+def pod_spec(node: Node, run: str, component: str) -> dict:
+    """The pod spec a component of a finished run ran with. Job pods stay after the Job ends; the server
+    is scaled to zero when the run ends, so its pod may already be gone: its Deployment's template is
+    what that pod ran with."""
+    if component == "server":
+        deployment = node.get("deployment", f"{run}-server")
+        assert deployment is not None, f"{run}: no server Deployment"
+        return deployment["spec"]["template"]["spec"]
+    (pod,) = node.list("pod", f"grpo.dev/run={run},grpo.dev/component={component}")
+    return pod["spec"]
+
+
 def test_a_missing_reward_function_fails_the_run_before_any_server(node: Node, staged: str) -> None:
     run = "bad-reward"
     spec = example_run(node, run, maxSteps=4)
@@ -94,8 +106,7 @@ def test_an_hf_model_is_fetched_once_from_a_mirror_by_the_initializer_and_the_ru
     init = node.get("job", f"{run}-init")
     assert init is not None and init["status"].get("succeeded") == 1
     for component in ("server", "trainer"):
-        (pod,) = node.list("pod", f"grpo.dev/run={run},grpo.dev/component={component}")
-        env = pod["spec"]["containers"][0].get("env", [])
+        env = pod_spec(node, run, component)["containers"][0].get("env", [])
         assert not [e for e in env if "secretKeyRef" in (e.get("valueFrom") or {})], env
 
 
@@ -119,8 +130,8 @@ def test_an_oci_image_model_is_mounted_as_an_image_volume_and_trained_on(
 
     assert status["sources"]["ready"] and "/mnt/grpo/model/models/tiny" in status["sources"]["progress"], status
     for component in ("initializer", "server", "trainer"):
-        (pod,) = node.list("pod", f"grpo.dev/run={run},grpo.dev/component={component}")
-        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        pod = pod_spec(node, run, component)
+        volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes["src-model"]["image"]["reference"] == ref, volumes
-        mounts = {m["name"]: m for m in pod["spec"]["containers"][0]["volumeMounts"]}
+        mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
         assert mounts["src-model"]["readOnly"] is True
