@@ -14,6 +14,7 @@ of the bare token ids and logprobs, the least any JSON answer carrying them must
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime as dt
 import functools
 import json
@@ -25,9 +26,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import dump, figure, grpo_shaped, machine
 
-from grpo_server.app import tagged
 from grpo_server.engines.base import Completion, PromptResult
 from grpo_server.responses import Tagging, TokenNamer, completion_response
+from grpo_server.routes import tagged
+from grpo_server.schemas import CompletionResponse
 from grpo_server.service import Generated
 
 
@@ -68,8 +70,10 @@ def main() -> None:
 
     def ours() -> int:
         names = TokenNamer(decode, as_ids=True)
-        response = completion_response(results, tag, names, with_logprobs=True, return_token_ids=True)
-        return len(tagged(response, generated, tag.boot_id).body)
+        def build() -> CompletionResponse:
+            return completion_response(results, tag, names, with_logprobs=True, return_token_ids=True)
+
+        return len(asyncio.run(tagged(build, generated, tag.boot_id)).body)
 
     def floor() -> int:
         body = [{"token_ids": c.token_ids, "logprobs": c.logprobs} for r in results for c in r.completions]

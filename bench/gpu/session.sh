@@ -3,6 +3,7 @@
 # Each phase writes its logs and JSON under $OUT; run phases in separate device calls:
 #   bash bench/gpu/session.sh prep                   # 1.5B model, dataset, adapter (needs no vLLM)
 #   bash bench/gpu/session.sh server-tests           # the server's HTTP suites on the vllm engine
+#   bash bench/gpu/session.sh hardening-tests        # TESTS=...: server-hardening suites on the vllm engine
 #   bash bench/gpu/session.sh grpo                   # trainer vs the vLLM server, and TRL colocate
 #   bash bench/gpu/session.sh gen-offline            # LLM.generate variants + HF generate (+ py-spy)
 #   bash bench/gpu/session.sh gen-server             # engine direct, server HTTP, adapter sync, reload
@@ -54,6 +55,17 @@ server_tests() {
   tail -5 "$OUT/server_tests.log"
 }
 
+hardening_tests() {
+  # TESTS: pytest node ids or files (default: the vLLM side of the server-hardening tests)
+  log "server hardening tests on the vllm engine"
+  GRPO_TEST_SERVER_ENGINE=vllm GRPO_TEST_SERVER_MODEL_DIR=$M \
+  GRPO_TEST_SERVER_OVERRIDES='{"gpuMemoryUtilization": 0.5, "maxModelLen": 2048, "maxLoraRank": 64, "dtype": "bfloat16", "enablePrefixCaching": false, "enforceEager": true}' \
+    timeout ${TESTS_TIMEOUT:-540} $PY -m pytest ${TESTS:-tests/server/test_openai_fields.py} -q -p no:cacheprovider \
+      ${TESTS_K:+-k "$TESTS_K"} -o addopts="" --timeout 300 -rfEs --junitxml="$OUT/hardening_tests.xml" \
+      > "$OUT/hardening_tests.log" 2>&1
+  tail -15 "$OUT/hardening_tests.log"
+}
+
 grpo() {
   # COMPLETION / BATCH / ACCUM / STEPS shape the workload (default: 32 completions of 256 tokens, 8 steps)
   local work=/tmp/grpo-step-${COMPLETION:-256}
@@ -102,7 +114,7 @@ lora_decode() {
 for phase in "$@"; do
   free_gpu
   case $phase in
-    prep) prep ;; server-tests) server_tests ;; grpo) grpo ;; gen-offline) gen_offline ;; gen-server) gen_server ;;
+    prep) prep ;; server-tests) server_tests ;; hardening-tests) hardening_tests ;; grpo) grpo ;; gen-offline) gen_offline ;; gen-server) gen_server ;;
     lora-decode) lora_decode ;; trainer-gpu-tests) trainer_gpu_tests ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac

@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 from pydantic import ValidationError
 
+from grpo_api.exit_codes import EXIT_INVALID_SPEC
 from grpo_api.lifecycle import (
     Action,
     CreateInitializer,
@@ -43,7 +44,7 @@ from grpo_api.lifecycle import (
     wants_health,
 )
 from grpo_api.models import TERMINAL_PHASES, EnvVar, GRPORun, GRPORunStatus, Phase
-from grpo_api.prepare_protocol import latest_progress
+from grpo_api.prepare_protocol import ENV_TERMINATION_LOG, latest_progress
 from grpo_api.protocol import (
     ENV_ATTEMPT,
     ENV_RUN_CONFIG,
@@ -134,7 +135,7 @@ class LocalRun:
         attempt = self.status.attempt
         older = sum(1 for a, c in self.servers.items() if a < attempt and c.group_alive())
         health = self.check_health() if wants_health(self.run.spec, self.status) else None
-        trainer, message = self.trainer_state(attempt)
+        trainer, message, trainer_failed_permanently = self.trainer_state(attempt)
         initializer, init_message = self.child_state(self.initializer)
         init_progress = self.initializer_progress()
         if initializer == TrainerState.FAILED and init_progress:
@@ -148,6 +149,7 @@ class LocalRun:
             health=health,
             trainer=trainer,
             trainer_message=message,
+            trainer_failed_permanently=trainer_failed_permanently,
             progress=progress,
             server_url=self.config.server_url,
             initializer=initializer,
@@ -178,8 +180,21 @@ class LocalRun:
             body = None
         return HealthCheck(reachable=True, status_code=response.status_code, body=body)
 
-    def trainer_state(self, attempt: int) -> tuple[TrainerState, str]:
-        return self.child_state(self.trainers.get(attempt))
+    def trainer_state(self, attempt: int) -> tuple[TrainerState, str, bool]:
+        """The attempt's trainer process: its state, what it said, and whether it failed permanently (it
+        exited with EXIT_INVALID_SPEC: a configuration problem, in its own words in its termination log)."""
+        child = self.trainers.get(attempt)
+        state, message = self.child_state(child)
+        if child is None or state != TrainerState.FAILED:
+            return state, message, False
+        said = read_text(self.termination_log(attempt)).strip()
+        if child.poll() == EXIT_INVALID_SPEC:
+            return state, said or message, True
+        return state, f"exit code {child.poll()}: {said}" if said else message, False
+
+    def termination_log(self, attempt: int) -> Path:
+        """Where the trainer of this attempt leaves its last words (a pod's /dev/termination-log)."""
+        return self.logs_dir / f"trainer-attempt-{attempt}.termination-log"
 
     def child_state(self, child: Child | None) -> tuple[TrainerState, str]:
         if child is None:
@@ -291,12 +306,14 @@ class LocalRun:
     def create_trainer(self, attempt: int) -> None:
         if attempt in self.trainers:
             return
+        self.termination_log(attempt).unlink(missing_ok=True)  # an earlier `grpo run` of this directory left it
         child = Child(
             role="trainer",
             attempt=attempt,
             argv=[self.python, "-m", "grpo_cli.main", "train", "--config", str(self.config_file)],
             log_path=self.logs_dir / f"trainer-attempt-{attempt}.log",
-            env=self.child_env(attempt, self.run.spec.trainer.env),
+            env={ENV_TERMINATION_LOG: str(self.termination_log(attempt)),
+                 **self.child_env(attempt, self.run.spec.trainer.env)},
         )
         child.start()
         self.trainers[attempt] = child
@@ -341,6 +358,14 @@ def _write_json(path: Path, data: object) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(path)
+
+
+def read_text(path: Path) -> str:
+    """The file's text, "" when it does not exist (a process that ended without last words)."""
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def last_error_line(log_path: Path, limit: int = 300) -> str:

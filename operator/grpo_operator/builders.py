@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from grpo_api.exit_codes import EXIT_INVALID_SPEC
 from grpo_api.models import (
     API_VERSION,
     DEFAULT_SERVER_IMAGE,
@@ -635,14 +636,18 @@ def build_server_deployment(
 def build_trainer_job(
     run: GRPORun, attempt: int, images: Images | None = None, placement: Placement | None = None
 ) -> dict[str, Any]:
-    """The trainer of one attempt. The Job never retries itself: a retry needs a fresh server first."""
+    """The trainer of one attempt. The Job never retries itself: a retry needs a fresh server first.
+
+    A trainer that exits with EXIT_INVALID_SPEC (a configuration problem no retry fixes) fails the Job by
+    its podFailurePolicy, so its Failed condition says `PodFailurePolicy` and the run fails without
+    another attempt."""
     trainer = run.spec.trainer
     images = images or Images()
     placement = placement or Placement()
     server_mode = run.spec.mode == Mode.SERVER
     ours = [{"name": ENV_SERVER_URL, "value": server_url(run)}] if server_mode else []
     container = {
-        "name": "trainer",
+        "name": TRAINER,
         "image": trainer.image or images.trainer,
         "imagePullPolicy": trainer.image_pull_policy,
         "command": ["grpo", "train"],
@@ -670,6 +675,14 @@ def build_trainer_job(
             "backoffLimit": 0,
             "completions": 1,
             "parallelism": 1,
+            "podFailurePolicy": {
+                "rules": [
+                    {
+                        "action": "FailJob",
+                        "onExitCodes": {"containerName": TRAINER, "operator": "In", "values": [EXIT_INVALID_SPEC]},
+                    },
+                ]
+            },
             "template": {
                 "metadata": _template_metadata(run, TRAINER, trainer, attempt),
                 "spec": _pod_spec(run, container, volumes, "Never", affinity),

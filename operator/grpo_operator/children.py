@@ -22,6 +22,9 @@ from grpo_operator.builders import (
     TRAINER,
 )
 
+#: The reason of a Job's Failed condition when a FailJob rule of its podFailurePolicy matched.
+POD_FAILURE_POLICY = "PodFailurePolicy"
+
 
 @dataclass(frozen=True)
 class PodInfo:
@@ -37,6 +40,8 @@ class PodInfo:
     problem: str = ""
     #: The termination message of its (first) container that terminated, as written.
     termination_message: str = ""
+    #: The exit code of its (first) container that terminated; None while none has.
+    exit_code: int | None = None
     #: A container of it has started (running or terminated): it has a log.
     started: bool = False
     #: A container of it is running now.
@@ -60,6 +65,13 @@ class JobInfo:
     attempt: int | None
     state: TrainerState
     message: str
+    #: The reason of its Complete or Failed condition.
+    reason: str = ""
+
+    @property
+    def failed_by_policy(self) -> bool:
+        """A FailJob rule of its podFailurePolicy failed it (the trainer's rule: EXIT_INVALID_SPEC)."""
+        return self.state == TrainerState.FAILED and self.reason == POD_FAILURE_POLICY
 
 
 @dataclass(frozen=True)
@@ -84,6 +96,10 @@ class Children:
 
     def pod_of(self, attempt: int) -> PodInfo | None:
         return next((p for p in self.pods if p.attempt == attempt and not p.terminating), None)
+
+    def failed_by_exit_code(self, job_name: str, code: int) -> bool:
+        """A pod of the Job ended with this exit code."""
+        return any(p.exit_code == code for p in self.job_pods(job_name))
 
     def trainer_problem(self, job_name: str) -> str:
         """What went wrong in the Job's pod (exit code, reason, termination message), if anything."""
@@ -158,6 +174,7 @@ def pod_info(body: dict[str, Any]) -> PodInfo:
         job_name=labels.get("batch.kubernetes.io/job-name") or labels.get("job-name"),
         problem=pod_problem(status),
         termination_message=termination_message(status),
+        exit_code=exit_code(status),
         started=any(
             "running" in (c.get("state") or {}) or "terminated" in (c.get("state") or {})
             for c in status.get("containerStatuses") or []
@@ -172,6 +189,14 @@ def termination_message(status: dict[str, Any]) -> str:
         if terminated.get("message"):
             return str(terminated["message"])
     return ""
+
+
+def exit_code(status: dict[str, Any]) -> int | None:
+    for container in status.get("containerStatuses") or []:
+        terminated = (container.get("state") or {}).get("terminated") or {}
+        if "exitCode" in terminated:
+            return int(terminated["exitCode"])
+    return None
 
 
 #: Waiting reasons that are normal on the way up.
@@ -226,19 +251,21 @@ def job_info(body: dict[str, Any]) -> JobInfo:
     """Complete/Failed only once the Job controller says so (its pods are gone by then)."""
     meta = body.get("metadata") or {}
     conditions = (body.get("status") or {}).get("conditions") or []
-    state, message = TrainerState.ACTIVE, ""
+    state, message, reason = TrainerState.ACTIVE, "", ""
     for cond in conditions:
         if cond.get("status") != "True":
             continue
         if cond.get("type") == "Complete":
             state, message = TrainerState.SUCCEEDED, str(cond.get("message") or "")
+            reason = str(cond.get("reason") or "")
         elif cond.get("type") == "Failed":
             detail = ": ".join(str(v) for v in (cond.get("reason"), cond.get("message")) if v)
-            state, message = TrainerState.FAILED, detail
+            state, message, reason = TrainerState.FAILED, detail, str(cond.get("reason") or "")
     return JobInfo(
         name=meta.get("name", ""),
         owner=owner_uid(meta),
         attempt=_attempt(meta.get("annotations"), meta.get("labels")),
         state=state,
         message=message,
+        reason=reason,
     )

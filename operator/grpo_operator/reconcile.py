@@ -24,6 +24,7 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 from urllib3.exceptions import HTTPError as Urllib3HTTPError
 
+from grpo_api.exit_codes import EXIT_INVALID_SPEC
 from grpo_api.lifecycle import (
     CreateInitializer,
     CreateTrainer,
@@ -213,7 +214,7 @@ def observe(
     attempt = status.attempt
     server_mode = run.spec.mode == Mode.SERVER
     older = len(children.older_server_pods(attempt)) if server_mode and attempt > 0 else 0
-    trainer, trainer_message = trainer_state(rt, run, status, children)
+    trainer, trainer_message, trainer_failed_permanently = trainer_state(rt, run, status, children)
     service_url = builders.server_url(run)
     override = _server_url_override(rt, run)
     health: HealthCheck | None = None
@@ -238,6 +239,7 @@ def observe(
         health=health,
         trainer=trainer,
         trainer_message=trainer_message,
+        trainer_failed_permanently=trainer_failed_permanently,
         server_url=(override or service_url) if server_mode else None,
         server_message=server_message,
         initializer=initializer,
@@ -331,9 +333,11 @@ def server_trouble(children: Children, attempt: int) -> str:
 
 def trainer_state(
     rt: Runtime, run: GRPORun, status: GRPORunStatus, children: Children
-) -> tuple[TrainerState, str]:
+) -> tuple[TrainerState, str, bool]:
+    """The attempt's trainer Job: its state, what it said, and whether it failed permanently (its
+    podFailurePolicy failed it, or its pod exited with EXIT_INVALID_SPEC: a configuration problem)."""
     if status.attempt < 1:
-        return TrainerState.ABSENT, ""
+        return TrainerState.ABSENT, "", False
     name = builders.child_names(run).trainer(status.attempt)
     job = children.job(name)
     if job is None and status.phase == Phase.TRAINING:
@@ -341,9 +345,17 @@ def trainer_state(
         raw = rt.kube.read_job(run.metadata.namespace or "default", name)
         job = job_info(raw) if raw is not None else None
     if job is None:
-        return TrainerState.ABSENT, ""
+        return TrainerState.ABSENT, "", False
     problem = children.trainer_problem(name) if job.state == TrainerState.FAILED else ""
-    return job.state, "; ".join(part for part in (job.message, problem) if part)
+    message = "; ".join(part for part in (job.message, problem) if part)
+    permanent = job.state == TrainerState.FAILED and (
+        job.failed_by_policy or children.failed_by_exit_code(name, EXIT_INVALID_SPEC)
+    )
+    if permanent:
+        # The trainer's own words (its termination log) name the field and the file; the Job's say "exit code 2".
+        said = next((p.termination_message.strip() for p in children.job_pods(name) if p.termination_message), "")
+        message = said or message
+    return job.state, message, permanent
 
 
 def _server_url_override(rt: Runtime, run: GRPORun) -> str | None:

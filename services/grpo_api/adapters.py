@@ -4,6 +4,11 @@ The trainer writes a version into a temporary directory, fsyncs it, writes
 `grpo-manifest.json` (sha256 of every file, step, version, base-model
 fingerprint) and renames the directory atomically to `v<N>`. The server
 verifies the manifest before it loads anything. Both sides use this module.
+
+A version directory holds regular files and directories only, and the manifest names
+them by plain relative paths: no symbolic link (to anywhere), no absolute or `..` entry,
+so every file an adapter names or holds lies inside its directory, and the server never
+reads, hashes or reports on a file outside it.
 """
 
 from __future__ import annotations
@@ -17,10 +22,27 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 MANIFEST_NAME = "grpo-manifest.json"
 VERSION_DIR = re.compile(r"^v(\d+)$")
+#: Error type of a manifest entry that is not a plain relative path inside the directory.
+ENTRY_OUTSIDE = "adapter_file_outside"
+
+
+def entry_problem(rel: str) -> str | None:
+    """Why a manifest entry is not a plain relative path of a file inside its directory; None if it is."""
+    parts = rel.split("/")
+    if rel.startswith("/"):
+        return "an absolute path"
+    if "\\" in rel or "\0" in rel:
+        return "not a plain relative path (backslash or NUL)"
+    if any(part in ("", ".", "..") for part in parts):
+        return "not a normalized relative path (empty, '.' or '..' segments)"
+    if rel == MANIFEST_NAME:
+        return "the manifest itself"
+    return None
 
 
 class AdapterManifest(BaseModel):
@@ -34,6 +56,19 @@ class AdapterManifest(BaseModel):
     files: dict[str, str] = Field(description="Relative file path -> sha256 hex digest.")
     created_at: dt.datetime = Field(description="When it was published.")
 
+    @field_validator("files")
+    @classmethod
+    def _entries_inside(cls, files: dict[str, str]) -> dict[str, str]:
+        for rel in files:
+            problem = entry_problem(rel)
+            if problem is not None:
+                raise PydanticCustomError(
+                    ENTRY_OUTSIDE,
+                    "files: {entry} is {problem}; entries are relative paths inside the version directory",
+                    {"entry": repr(rel), "problem": problem},
+                )
+        return files
+
     def digest(self) -> str:
         """Digest of the manifest itself: identifies the version's exact contents."""
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()
@@ -43,12 +78,46 @@ class ManifestError(ValueError):
     """The directory does not match its manifest."""
 
 
+class ManifestPathError(ManifestError):
+    """A manifest entry or a file of the directory that could lead outside it (absolute, `..`, a symlink)."""
+
+
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    """sha256 of a regular file; the last component is not followed if it is a symlink (OSError ELOOP)."""
     h = hashlib.sha256()
-    with path.open("rb", buffering=0) as f:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with open(fd, "rb", buffering=0) as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def directory_files(directory: Path) -> list[str]:
+    """Relative posix paths of the files under directory (the manifest excluded), sorted; no link is followed.
+
+    ManifestPathError for a symbolic link anywhere below directory (whatever it points to: a
+    version directory holds none); ManifestError for anything but regular files and directories
+    (a FIFO would block the reader). Messages name the entry, never what a link points to.
+    """
+    found: list[str] = []
+    pending = [""]
+    while pending:
+        prefix = pending.pop()
+        with os.scandir(directory / prefix if prefix else directory) as entries:
+            for entry in entries:
+                rel = prefix + entry.name
+                if entry.is_symlink():
+                    raise ManifestPathError(
+                        f"{directory / rel} is a symbolic link: a version directory holds regular files only"
+                    )
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(rel + "/")
+                elif entry.is_file(follow_symlinks=False):
+                    if rel != MANIFEST_NAME:
+                        found.append(rel)
+                else:
+                    raise ManifestError(f"{directory / rel} is not a regular file or directory")
+    return sorted(found)
 
 
 def write_file_durably(path: Path, *parts: bytes | memoryview) -> str:
@@ -119,13 +188,12 @@ def build_manifest(
     base_model_fingerprint: str,
     known: Mapping[str, str] | None = None,
 ) -> AdapterManifest:
-    """Manifest of every file under directory; `known` digests (hashed while writing) are not re-read."""
+    """Manifest of every file under directory; `known` digests (hashed while writing) are not re-read.
+
+    ManifestError (ManifestPathError for a symlink) if the directory holds anything the server would refuse.
+    """
     known = known or {}
-    files = {}
-    for p in sorted(directory.rglob("*")):
-        if p.is_file() and p.name != MANIFEST_NAME:
-            rel = p.relative_to(directory).as_posix()
-            files[rel] = known.get(rel) or sha256_file(p)
+    files = {rel: known.get(rel) or sha256_file(directory / rel) for rel in directory_files(directory)}
     return AdapterManifest(
         version=version,
         step=step,
@@ -145,6 +213,11 @@ def read_manifest(directory: Path) -> AdapterManifest:
         raise ManifestError(f"{path} is missing")
     try:
         return AdapterManifest.model_validate_json(path.read_text())
+    except ValidationError as exc:
+        outside = [e["msg"] for e in exc.errors() if e["type"] == ENTRY_OUTSIDE]
+        if outside:
+            raise ManifestPathError(f"{path}: {outside[0]}") from exc
+        raise ManifestError(f"{path} is malformed: {exc}") from exc
     except ValueError as exc:
         raise ManifestError(f"{path} is malformed: {exc}") from exc
 
@@ -157,18 +230,22 @@ def verify_manifest(directory: Path) -> AdapterManifest:
 
 
 def verify_files(directory: Path, manifest: AdapterManifest) -> None:
-    """The directory holds exactly the manifest's files with its digests; ManifestError names the first bad one."""
+    """The directory holds exactly the manifest's files with its digests; ManifestError names the first bad one.
+
+    Only files found inside the directory (no link followed) are opened: an entry of the manifest
+    is never resolved on its own, so no message says anything about a file outside the directory.
+    """
+    present = set(directory_files(directory))
     for rel, expected in manifest.files.items():
         path = directory / rel
-        if not path.is_file():
+        if rel not in present:
             raise ManifestError(f"{path} is listed in the manifest but missing")
-        actual = sha256_file(path)
+        try:
+            actual = sha256_file(path)
+        except OSError as exc:  # replaced by a link or removed since the listing
+            raise ManifestError(f"{path} cannot be read as a regular file ({exc.strerror})") from exc
         if actual != expected:
             raise ManifestError(f"{path}: sha256 {actual} does not match the manifest's {expected}")
-    extra = sorted(
-        p.relative_to(directory).as_posix()
-        for p in directory.rglob("*")
-        if p.is_file() and p.name != MANIFEST_NAME and p.relative_to(directory).as_posix() not in manifest.files
-    )
+    extra = sorted(present - manifest.files.keys())
     if extra:
         raise ManifestError(f"{directory}: files not in the manifest: {', '.join(extra)}")

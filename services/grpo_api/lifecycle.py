@@ -16,7 +16,9 @@ The contract (ARCHITECTURE.md, "Lifecycle of one run"):
   adapter loaded; `serverReadyTimeoutSeconds` turns a server that never gets
   there into a failed attempt (`ServerNotReady`);
 - a failed attempt starts the next one (fresh server first, the trainer resumes
-  from its checkpoint) until `backoffLimit` failures, then the run fails;
+  from its checkpoint) until `backoffLimit` failures, then the run fails; a trainer
+  that failed on a configuration problem no retry fixes (its exit code says so:
+  `grpo_api.exit_codes.EXIT_INVALID_SPEC`) fails the run at once (`InvalidSpec`);
 - `activeDeadlineSeconds`, `suspend` and `ttlSecondsAfterFinished` behave as on
   Kubernetes Jobs (resuming resets the deadline's start, as for Jobs);
 - terminal phases stay terminal.
@@ -117,6 +119,9 @@ class Observation:
     health: HealthCheck | None = None
     trainer: TrainerState = TrainerState.ABSENT
     trainer_message: str = ""
+    #: The failed trainer exited with `grpo_api.exit_codes.EXIT_INVALID_SPEC` (on a cluster, its Job failed
+    #: by its podFailurePolicy): a configuration problem that no other attempt, nor a fresh server, fixes.
+    trainer_failed_permanently: bool = False
     #: Trainer progress read directly (local runner); by default the health body's relay is used.
     progress: TrainingProgress | None = None
     #: Where the executor reaches the server; recorded in status.server.url.
@@ -533,6 +538,13 @@ class _Step:
         detail = f": {self.obs.trainer_message}" if self.obs.trainer_message else ""
         if trainer == TrainerState.SUCCEEDED:
             self.finish(Phase.SUCCEEDED, Reason.COMPLETED, f"trainer of attempt {attempt} completed{detail}")
+        elif trainer == TrainerState.FAILED and self.obs.trainer_failed_permanently:
+            self.status.failed_attempts += 1
+            self.finish(
+                Phase.FAILED,
+                Reason.INVALID_SPEC,
+                f"trainer of attempt {attempt} failed on a configuration problem that no retry fixes{detail}",
+            )
         elif trainer == TrainerState.FAILED:
             self.attempt_failed(Reason.TRAINER_FAILED, f"trainer of attempt {attempt} failed{detail}")
         elif trainer == TrainerState.ABSENT:

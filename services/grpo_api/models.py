@@ -718,6 +718,60 @@ class ImportanceSamplingSpec(ApiModel):
     clip_max: float = Field(default=3.0, gt=1.0, description="Upper bound C of the ratio.")
 
 
+STRUCTURED_OUTPUTS_RULES = [
+    _cel(
+        "(has(self.regex) ? 1 : 0) + (has(self.jsonSchema) ? 1 : 0) + (has(self.choice) ? 1 : 0) == 1",
+        "structuredOutputs needs exactly one of regex, jsonSchema or choice",
+    ),
+]
+
+
+def _structured_outputs_rules(schema: dict[str, Any]) -> None:
+    schema["x-kubernetes-validations"] = [dict(rule) for rule in STRUCTURED_OUTPUTS_RULES]
+
+
+class StructuredOutputsSpec(ApiModel):
+    """Guided decoding of every rollout: exactly one of regex, jsonSchema or choice.
+
+    TRL's `vllm_structured_outputs_regex` and Axolotl's guided decoding, and vLLM's
+    `StructuredOutputsParams` (json, regex, choice) on the server.
+    """
+
+    model_config = ConfigDict(json_schema_extra=_structured_outputs_rules)  # CEL beside the type it checks
+
+    regex: str | None = Field(
+        default=None, description="A regular expression every completion matches.", min_length=1, max_length=4096
+    )
+    json_schema: dict[str, Any] | None = Field(
+        default=None,
+        description="A JSON schema (an object) every completion follows.",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+    choice: list[Annotated[str, Field(min_length=1, max_length=1024)]] | None = Field(
+        default=None, description="Every completion is exactly one of these strings.", min_length=1, max_length=256
+    )
+
+    @model_validator(mode="after")
+    def _one_valid_kind(self) -> StructuredOutputsSpec:
+        kinds = [k for k in ("regex", "json_schema", "choice") if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            raise ValueError("structuredOutputs needs exactly one of regex, jsonSchema or choice")
+        if self.regex is not None:
+            try:
+                re.compile(self.regex)
+            except re.error as exc:
+                raise ValueError(f"structuredOutputs.regex does not compile: {exc}") from exc
+        return self
+
+    def vllm_params(self) -> dict[str, Any]:
+        """The constraint as vLLM's `StructuredOutputsParams` fields: a generation request's `structured_outputs`."""
+        if self.regex is not None:
+            return {"regex": self.regex}
+        if self.json_schema is not None:
+            return {"json": self.json_schema}
+        return {"choice": list(self.choice or ())}
+
+
 class TrainerSpec(PodSettings):
     """The GRPO trainer (TRL GRPOTrainer + PEFT LoRA) and its settings."""
 
@@ -757,6 +811,11 @@ class TrainerSpec(PodSettings):
     temperature: float = Field(default=1.0, gt=0.0, le=10.0, description="Sampling temperature.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
     top_k: int = Field(default=0, ge=-1, description="Top-k sampling; 0 or -1 disables.")
+    structured_outputs: StructuredOutputsSpec | None = Field(
+        default=None,
+        description="Guided decoding of every rollout (regex, jsonSchema or choice), as TRL's "
+        "vllm_structured_outputs_regex; unset: free generation.",
+    )
     importance_sampling: ImportanceSamplingSpec = Field(
         default_factory=ImportanceSamplingSpec, description="Server/trainer importance-sampling correction."
     )

@@ -8,8 +8,9 @@ here is the project's own native protocol.
 from __future__ import annotations
 
 import datetime as dt
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 #: Response headers every generation carries, so a client can tell which policy produced it.
 BOOT_ID_HEADER = "X-GRPO-Boot-Id"
@@ -57,7 +58,9 @@ class HealthResponse(WireModel):
     status: str = Field(description="ok, or loading while the engine starts.")
     boot_id: str = Field(description="Random per process start; a new value means a fresh server.")
     model: str = Field(description="Served model name.")
-    model_fingerprint: str = Field(description="Hash of the model's config and weight file names and sizes.")
+    model_fingerprint: str = Field(
+        description="Hash of the model's config.json and its weight files' names, sizes and sha256 digests."
+    )
     engine: str = Field(description="vllm or transformers.")
     adapter: ActiveAdapter | None = Field(default=None, description="Active adapter, or none.")
     uptime_seconds: float = Field(description="Seconds since the process started.")
@@ -66,15 +69,30 @@ class HealthResponse(WireModel):
     )
 
 
+def _path_text(value: str) -> str:
+    """A path a file system can take: no NUL byte, valid Unicode (no lone surrogates)."""
+    if "\x00" in value:
+        raise ValueError("must not contain a NUL byte")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode text") from None
+    return value
+
+
+#: An adapter directory as a trigger names it (Linux PATH_MAX is 4096 bytes).
+AdapterPath = Annotated[str, Field(min_length=1, max_length=4096), AfterValidator(_path_text)]
+
+
 class SetAdapterRequest(WireModel):
     """Body of `POST /set_lora_adapter/`: ours ({path, version, sha256}) or Axolotl's."""
 
-    path: str | None = Field(default=None, description="Adapter directory (ours).")
-    version: int | None = Field(default=None, ge=1, description="Adapter version (ours).")
-    sha256: str | None = Field(default=None, description="Expected manifest digest (ours).")
-    lora_name: str | None = Field(default=None, description="Adapter name (Axolotl).")
-    lora_int_id: int | None = Field(default=None, ge=1, description="Adapter id (Axolotl).")
-    lora_path: str | None = Field(default=None, description="Adapter directory (Axolotl).")
+    path: AdapterPath | None = Field(default=None, description="Adapter directory (ours).")
+    version: int | None = Field(default=None, ge=1, lt=2**63, description="Adapter version (ours).")
+    sha256: str | None = Field(default=None, max_length=128, description="Expected manifest digest (ours).")
+    lora_name: str | None = Field(default=None, max_length=256, description="Adapter name (Axolotl).")
+    lora_int_id: int | None = Field(default=None, ge=1, lt=2**63, description="Adapter id (Axolotl).")
+    lora_path: AdapterPath | None = Field(default=None, description="Adapter directory (Axolotl).")
     load_inplace: bool = Field(default=False, description="Ignored: every version gets its own name.")
 
 
@@ -105,4 +123,7 @@ ADAPTER_REFUSALS = (
     "adapter_checksum_mismatch",
     "adapter_load_failed",
     "adapter_load_busy",
+    "adapter_version_stale",
+    "adapter_version_conflict",
+    "adapter_weights_invalid",
 )

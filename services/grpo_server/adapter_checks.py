@@ -1,29 +1,47 @@
 """Checks an adapter directory passes before the engine sees it.
 
 Refusals carry one of `grpo_api.protocol.ADAPTER_REFUSALS` and a message naming the
-file or field. The path is confined to the adapter root before anything is read.
+file or field. The path is confined to the adapter root before anything is read, and
+every file the adapter holds or its manifest names must lie inside its directory: a
+symbolic link anywhere in it (whatever it points to), a special file, or an absolute or
+`..` manifest entry is refused before any file is opened, so no message says anything
+(digest, size, existence) about a file outside the adapter root.
 
 Two stages, so the server can hash the files while the engine loads them:
 `inspect_adapter` reads the manifest, adapter_config.json and the safetensors header
 (small reads); `verify_adapter_files` checks every file against the manifest's
-sha256 (the bulk of the bytes). The server activates a version only after both
-passed. When inspection fails on a version that has a manifest, the files are
-verified first, so a file changed after publication is reported as that
-(`adapter_checksum_mismatch`), not as whatever parse error the change caused.
+sha256 (the bulk of the bytes), then reads the tensors one at a time and refuses
+non-finite values (NaN or Inf weights would make every generation on the adapter fail).
+The server activates a version only after both passed. When inspection fails on a
+version that has a manifest, the files are verified first, so a file changed after
+publication is reported as that (`adapter_checksum_mismatch`), not as whatever parse
+error the change caused.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grpo_api.adapters import MANIFEST_NAME, AdapterManifest, ManifestError, read_manifest, verify_files
-from grpo_api.fingerprint import model_fingerprint
+from grpo_api.adapters import (
+    MANIFEST_NAME,
+    AdapterManifest,
+    ManifestError,
+    ManifestPathError,
+    directory_files,
+    read_manifest,
+    verify_files,
+)
 from grpo_api.protocol import ADAPTER_REFUSALS
+from grpo_server.errors import ServerError
+
+log = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -43,22 +61,20 @@ REFUSAL_STATUS: dict[str, int] = {
     "adapter_checksum_mismatch": 409,
     "adapter_load_failed": 422,
     "adapter_load_busy": 409,
+    "adapter_version_stale": 409,
+    "adapter_version_conflict": 409,
+    "adapter_weights_invalid": 422,
 }
 
 
-class AdapterRefusal(Exception):
-    """An adapter the server will not load."""
+class AdapterRefusal(ServerError):
+    """An adapter the server will not load: the reason is the error, its status from REFUSAL_STATUS."""
 
     def __init__(self, reason: str, message: str) -> None:
         if reason not in ADAPTER_REFUSALS:
             raise ValueError(f"unknown refusal reason {reason}")
-        super().__init__(message)
+        super().__init__(message, status_code=REFUSAL_STATUS[reason], error=reason)
         self.reason = reason
-        self.message = message
-
-    @property
-    def status_code(self) -> int:
-        return REFUSAL_STATUS[self.reason]
 
 
 @dataclass(frozen=True)
@@ -95,20 +111,26 @@ class CheckedAdapter:
     digest: str | None  # manifest digest, when there is a manifest
     manifest_version: int | None
     rank: int
+    weights: Path  # adapter_model.safetensors or .bin, inside path
     manifest: AdapterManifest | None = None  # files still to verify (verify_adapter_files)
 
 
 def confine(path: str, root: Path) -> Path:
-    """The adapter directory resolved (symlinks, `..`) and required to lie strictly inside root."""
+    """The adapter directory resolved (symlinks, `..`) and required to lie strictly inside root.
+
+    The refusal names the path as sent, not what it resolves to (that would describe the outside).
+    """
     root_resolved = root.resolve()
     candidate = Path(path)
     if not candidate.is_absolute():
         candidate = root_resolved / candidate
-    resolved = candidate.resolve()
+    try:
+        resolved = candidate.resolve()
+    except (OSError, ValueError) as exc:  # too long, a link loop...: nothing the server can load
+        shown = path if len(path) <= 200 else path[:200] + "…"
+        raise AdapterRefusal("adapter_missing", f"{shown} is not a usable path: {type(exc).__name__}") from exc
     if resolved == root_resolved or not resolved.is_relative_to(root_resolved):
-        raise AdapterRefusal(
-            "adapter_outside_root", f"{path} resolves to {resolved}, outside the adapter root {root_resolved}"
-        )
+        raise AdapterRefusal("adapter_outside_root", f"{path} is not a directory inside the adapter root {root}")
     return resolved
 
 
@@ -126,6 +148,7 @@ def inspect_adapter(
     directory = confine(path, root)
     if not directory.is_dir():
         raise AdapterRefusal("adapter_missing", f"{directory} is not a directory")
+    _check_tree(directory)
     manifest = _check_manifest(directory, served, require_manifest, expected_digest, version)
     try:
         config = _read_config(directory)
@@ -144,21 +167,84 @@ def inspect_adapter(
         digest=manifest.digest() if manifest else None,
         manifest_version=manifest.version if manifest else None,
         rank=rank,
+        weights=weights,
         manifest=manifest,
     )
 
 
 def verify_adapter_files(checked: CheckedAdapter) -> None:
-    """Every file matches the manifest (when there is one); AdapterRefusal otherwise."""
+    """Every file matches the manifest (when there is one) and every tensor is finite; AdapterRefusal otherwise.
+
+    The checksums come first: a file changed after publication is reported as that, even when
+    the change made a value non-finite.
+    """
     if checked.manifest is not None:
         _verify(checked.path, checked.manifest)
+    else:
+        _check_tree(checked.path)  # no manifest binds the files: list them again, as they are now
+    _check_finite(checked.weights)
+
+
+def _check_tree(directory: Path) -> None:
+    """Regular files and directories only: no symlink (to anywhere), no FIFO or device."""
+    try:
+        directory_files(directory)
+    except ManifestPathError as exc:
+        raise AdapterRefusal("adapter_outside_root", str(exc)) from exc
+    except ManifestError as exc:
+        raise AdapterRefusal("adapter_config_invalid", str(exc)) from exc
 
 
 def _verify(directory: Path, manifest: AdapterManifest) -> None:
     try:
         verify_files(directory, manifest)
+    except ManifestPathError as exc:
+        raise AdapterRefusal("adapter_outside_root", str(exc)) from exc
     except ManifestError as exc:
         raise AdapterRefusal("adapter_checksum_mismatch", str(exc)) from exc
+
+
+def _check_finite(weights: Path) -> None:
+    """Every floating-point tensor holds finite values only, read one tensor at a time."""
+    import torch
+
+    for key, tensor in _tensors(weights):
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise AdapterRefusal(
+                "adapter_weights_invalid",
+                f"{weights}: tensor {key} holds {bad} non-finite value(s) (NaN or Inf) of {tensor.numel()}",
+            )
+
+
+def _tensors(weights: Path) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) of an adapter's weights, one at a time; a .bin that torch cannot load safely yields none."""
+    if weights.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(weights), framework="pt") as handle:
+                for key in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    yield key, handle.get_tensor(key)
+        except AdapterRefusal:
+            raise
+        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            raise AdapterRefusal(
+                "adapter_config_invalid", f"{weights} is not a readable safetensors file: {exc}"
+            ) from exc
+        return
+    import torch
+
+    try:  # memory-mapped where the file's format allows it; weights_only never runs pickled code
+        try:
+            state = torch.load(weights, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:
+            state = torch.load(weights, map_location="cpu", weights_only=True)
+    except Exception as exc:  # the engine's own loader decides about this file
+        log.warning("%s: tensors not checked for finite values (%s: %s)", weights, type(exc).__name__, exc)
+        return
+    if isinstance(state, dict):
+        yield from ((str(k), v) for k, v in state.items() if isinstance(v, torch.Tensor))
 
 
 def _check_manifest(
@@ -170,6 +256,8 @@ def _check_manifest(
         return None
     try:
         manifest = read_manifest(directory)
+    except ManifestPathError as exc:
+        raise AdapterRefusal("adapter_outside_root", str(exc)) from exc
     except ManifestError as exc:
         raise AdapterRefusal("adapter_checksum_mismatch", str(exc)) from exc
     digest = manifest.digest()
@@ -336,23 +424,21 @@ def _shape_problems(
 
 
 def _check_base_model_name(config: dict[str, Any], directory: Path, served: ServedModel) -> None:
-    """Without a manifest, adapter_config's base_model_name_or_path is the only evidence of the base."""
+    """Without a manifest, adapter_config's base_model_name_or_path is the only evidence of the base.
+
+    It is compared as a name (or the served model's own path): nothing at that path is read, so an
+    adapter cannot make the server read, hash or report on a directory outside the adapter root.
+    """
     base = config.get("base_model_name_or_path")
     if not base or base == served.name:
         return
-    base_path = Path(base)
-    if base_path.is_dir():
-        if base_path.resolve() == served.model_dir.resolve():
-            return
-        try:
-            if model_fingerprint(base_path) == served.fingerprint:
-                return
-        except (OSError, ValueError):
-            pass
+    if not isinstance(base, str):
         raise AdapterRefusal(
-            "adapter_base_model_mismatch",
-            f"{directory / ADAPTER_CONFIG}: base_model_name_or_path {base} is a different model than {served.name}",
+            "adapter_config_invalid", f"{directory / ADAPTER_CONFIG}: base_model_name_or_path must be a string"
         )
+    if os.path.normpath(base) in (os.path.normpath(served.model_dir), str(served.model_dir.resolve())):
+        return
+    base_path = Path(base)
     if base_path.name in (served.name, served.name.split("/")[-1], served.model_dir.name):
         return
     raise AdapterRefusal(

@@ -21,7 +21,7 @@ log = logging.getLogger("grpo_server")
     default=None,
     help="Run-config or GRPORun file (default: $GRPO_RUN_CONFIG).",
 )
-@click.option("--host", default=None, help="Listen address (default 0.0.0.0).")
+@click.option("--host", default=None, help="Listen address (default 127.0.0.1; pods pass 0.0.0.0).")
 @click.option("--port", type=int, default=None, help="Listen port (default spec.server.port).")
 @click.option(
     "--engine",
@@ -29,8 +29,28 @@ log = logging.getLogger("grpo_server")
     default=None,
     help="Inference engine (default spec.server.engine).",
 )
+@click.option(
+    "--max-body-bytes",
+    type=click.IntRange(min=1024),
+    default=None,
+    help="Largest request body; more is answered 413 (default $GRPO_SERVER_MAX_BODY_BYTES or 32 MiB).",
+)
+@click.option(
+    "--allow-client-chat-templates/--no-allow-client-chat-templates",
+    default=None,
+    help="Run chat templates sent in requests (Jinja in the server; default off, or "
+    "$GRPO_SERVER_ALLOW_CHAT_TEMPLATES=1).",
+)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
-def serve(config_path: Path | None, host: str | None, port: int | None, engine: str | None, log_level: str) -> None:
+def serve(
+    config_path: Path | None,
+    host: str | None,
+    port: int | None,
+    engine: str | None,
+    max_body_bytes: int | None,
+    allow_client_chat_templates: bool | None,
+    log_level: str,
+) -> None:
     """Serve the run's base model and LoRA adapters over HTTP (native + OpenAI-compatible)."""
     import uvicorn
 
@@ -40,7 +60,14 @@ def serve(config_path: Path | None, host: str | None, port: int | None, engine: 
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        settings = settings_from_config(load_run_config(config_path), host=host, port=port, engine=engine)
+        settings = settings_from_config(
+            load_run_config(config_path),
+            host=host,
+            port=port,
+            engine=engine,
+            max_body_bytes=max_body_bytes,
+            allow_chat_templates=allow_client_chat_templates,
+        )
         service = GenerationService(settings)
     except (RunConfigError, ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from exc

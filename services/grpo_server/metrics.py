@@ -28,6 +28,11 @@ REQUEST_DURATION = Histogram(
     buckets=LATENCY_BUCKETS,
 )
 REQUESTS_IN_FLIGHT = Gauge("grpo_server_requests_in_flight", "Generation requests being served now.")
+REQUESTS_ABORTED = Counter(
+    "grpo_server_requests_aborted",
+    "Generation requests aborted in the engine because their client disconnected.",
+    ["endpoint"],
+)
 PROMPT_TOKENS = Counter("grpo_server_prompt_tokens", "Prompt tokens of served generation requests.")
 GENERATION_TOKENS = Counter("grpo_server_generation_tokens", "Tokens generated.")
 ADAPTER_LOADS = Counter("grpo_server_adapter_loads", "Adapter versions loaded and activated.")
@@ -55,6 +60,7 @@ METRIC_NAMES: tuple[str, ...] = (
     "grpo_server_requests_total",
     "grpo_server_request_duration_seconds",
     "grpo_server_requests_in_flight",
+    "grpo_server_requests_aborted_total",
     "grpo_server_prompt_tokens_total",
     "grpo_server_generation_tokens_total",
     "grpo_server_adapter_loads_total",

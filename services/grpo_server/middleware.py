@@ -1,8 +1,9 @@
-"""ASGI middleware: request-body size limit and per-endpoint request metrics."""
+"""ASGI middleware: request-body size limit, per-endpoint request metrics, and the last-resort 500."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import Any
 
@@ -10,6 +11,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from grpo_server import metrics
 from grpo_server.errors import BodyTooLarge, error_response
+
+log = logging.getLogger(__name__)
 
 
 class BodyLimitMiddleware:
@@ -90,3 +93,38 @@ def _endpoint(scope: Scope) -> str:
     route: Any = scope.get("route")
     path = getattr(route, "path", None)
     return str(path) if path else "unmatched"
+
+
+class UnexpectedErrorMiddleware:
+    """Anything a handler did not expect becomes a JSON 500 `internal_error` (traceback in the log only).
+
+    Starlette's own last-resort handler answers and then re-raises, which makes the server close the
+    connection; this answers and keeps the connection, so one bad request costs the client nothing else.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            if started:  # too late for another answer: let the server close the connection
+                raise
+            method, path = scope.get("method", ""), scope.get("path", "")
+            log.exception("%s %s failed", method, path)
+            response = error_response(
+                500, "internal_error", f"{method} {path}: internal error ({type(exc).__name__}); see the server log"
+            )
+            await response(scope, receive, send)

@@ -6,6 +6,12 @@ ends, so a trigger can activate a newer version at any time without disturbing
 requests already running. Versions beyond `max_loaded` are evicted oldest first,
 but only once no lease holds them.
 
+Within one server boot versions only move forward, and a version number means one
+content: a trigger below the highest version accepted so far is stale (there is no
+rollback), and a version accepted once stays bound to its manifest digest for the
+life of the process, loaded or evicted (the engine name `policy-v<N>` keys vLLM's
+prefix cache, so one name must never stand for two sets of weights).
+
 Model names a request may use:
 - omitted or the served model name: the active adapter at admission (base if none);
 - `policy-v<N>`: version N, which must be loaded;
@@ -20,7 +26,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from grpo_api.protocol import ActiveAdapter
+from grpo_server.adapter_checks import AdapterRefusal
 from grpo_server.engines.base import AdapterHandle
+from grpo_server.errors import ServerError
 
 ADAPTER_NAME = re.compile(r"^policy-v(\d+)$")
 BASE_SUFFIX = ":base"
@@ -30,8 +38,11 @@ def adapter_name(version: int) -> str:
     return f"policy-v{version}"
 
 
-class ModelNotFound(LookupError):
-    """A request named a model or adapter version this server does not have."""
+class ModelNotFound(ServerError):
+    """A request named a model or adapter version this server does not have (404)."""
+
+    default_status = 404
+    default_error = "model_not_found"
 
 
 @dataclass
@@ -69,6 +80,8 @@ class AdapterRegistry:
         self._loaded: dict[int, LoadedAdapter] = {}  # insertion order is load order
         self._last_int_id = 0
         self._highest_version = 0
+        #: Every version accepted this boot -> its manifest digest (None: no manifest); never pruned.
+        self._bound: dict[int, str | None] = {}
 
     @property
     def loaded(self) -> list[LoadedAdapter]:
@@ -85,8 +98,33 @@ class AdapterRegistry:
         """Version for a trigger that carries none (Axolotl's payload)."""
         return self._highest_version + 1
 
+    def refuse_out_of_order(self, version: int, digest: str | None) -> None:
+        """Refuse a version that may not become active now; nothing is read, so it can run before inspection.
+
+        `digest` is the manifest digest the trigger claims (None: not known yet). A version bound
+        to another digest is a conflict, whatever its number; below the highest it is stale, even
+        with the same contents; the highest itself with the same contents is an idempotent retry.
+        """
+        if digest is not None and version in self._bound and self._bound[version] != digest:
+            raise AdapterRefusal(
+                "adapter_version_conflict",
+                f"version {version} was loaded earlier by this server (manifest sha256 {self._bound[version]}) "
+                f"and a version's contents never change; publish a new version above {self._highest_version}",
+            )
+        if version < self._highest_version:
+            active = self.active
+            now = f"v{active.version} is active" if active is not None else "no adapter is active (cleared)"
+            raise AdapterRefusal(
+                "adapter_version_stale",
+                f"version {version} is older than version {self._highest_version}, the highest this server has "
+                f"loaded since it started; {now}. Versions only move forward: publish a version above "
+                f"{self._highest_version}",
+            )
+
     def add(self, adapter: LoadedAdapter) -> None:
+        """Register a loaded version, bound to its digest from now on (checked by `refuse_out_of_order` first)."""
         self._loaded[adapter.version] = adapter
+        self._bound[adapter.version] = adapter.digest
         self._highest_version = max(self._highest_version, adapter.version)
 
     def activate(self, version: int) -> LoadedAdapter:

@@ -3,7 +3,9 @@
 All shapes are prompt-major: prompt i's j-th completion is sequence i*n + j. Logprob
 lists have one entry per completion token; non-finite values (tokens masked to
 probability 0) are dropped from alternatives and sent as null for sampled tokens,
-since JSON has no infinity.
+since JSON has no infinity. Prompt logprobs follow vLLM's wire format exactly (TRL's
+`get_sequence_logprobs` parses it): per position null or `{token_id: {logprob, rank,
+decoded_token}}`, -inf clamped to -9999.0 as vLLM's `clamp_prompt_logprobs` does.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from grpo_server.engines.base import Completion, PromptResult
+from grpo_server.engines.base import Completion, PromptLogprobs, PromptResult
 from grpo_server.schemas import (
     ChatChoice,
     ChatLogprobs,
@@ -24,10 +26,14 @@ from grpo_server.schemas import (
     CompletionLogprobs,
     CompletionResponse,
     GenerateResponse,
+    PromptLogprob,
+    PromptLogprobsWire,
     Usage,
 )
 
 TOKEN_ID_PREFIX = "token_id:"
+#: What vLLM sends for a prompt logprob of -inf.
+CLAMPED_LOGPROB = -9999.0
 
 
 def finite(value: float) -> float | None:
@@ -80,6 +86,24 @@ def completion_logprobs(completion: Completion, names: TokenNamer) -> Completion
     )
 
 
+def prompt_logprobs(logprobs: PromptLogprobs | None, names: TokenNamer) -> PromptLogprobsWire | None:
+    if logprobs is None:
+        return None
+    return [
+        None
+        if position is None
+        else {
+            str(entry.token_id): PromptLogprob(
+                logprob=entry.logprob if math.isfinite(entry.logprob) else CLAMPED_LOGPROB,
+                rank=entry.rank,
+                decoded_token=names.text(entry.token_id),
+            )
+            for entry in position
+        }
+        for position in logprobs
+    ]
+
+
 def completion_response(
     results: list[PromptResult],
     tag: Tagging,
@@ -91,6 +115,7 @@ def completion_response(
     choices = []
     for i, result in enumerate(results):
         n = len(result.completions)
+        prompt_wire = prompt_logprobs(result.prompt_logprobs, names)
         for j, completion in enumerate(result.completions):
             choices.append(
                 CompletionChoice(
@@ -101,6 +126,7 @@ def completion_response(
                     stop_reason=completion.stop_reason,
                     prompt_token_ids=list(result.prompt_token_ids) if return_token_ids else None,
                     token_ids=list(completion.token_ids) if return_token_ids else None,
+                    prompt_logprobs=prompt_wire,
                 )
             )
     return CompletionResponse(
@@ -162,6 +188,7 @@ def chat_response(
         choices=choices,
         usage=usage([result]),
         prompt_token_ids=list(result.prompt_token_ids) if return_token_ids else None,
+        prompt_logprobs=prompt_logprobs(result.prompt_logprobs, names),
         boot_id=tag.boot_id,
         adapter_version=tag.adapter_version,
     )

@@ -1,104 +1,27 @@
-"""From request fields to engine `SamplingOptions`, and the checks every generation request passes.
+"""The checks every generation request passes against the engine's limits.
 
-Pure functions: they raise `BadRequest` naming the field, and the HTTP layer turns
-that into a 400. The limits are the engine's (`max_model_len`) and the tokenizer's.
+Pure functions: they raise `BadRequest` naming the field (a 400). The limits are the
+engine's (`max_model_len`) and the tokenizer's. Request fields become `SamplingOptions`
+on the request models themselves (`grpo_server.schemas`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
-from typing import Any
 
 from grpo_server.engines.base import SamplingOptions
-from grpo_server.schemas import SamplingFields
+from grpo_server.errors import BadRequest
 
 #: Sequences (prompts × n) one request may ask for: bounds memory, not throughput.
 MAX_SEQUENCES_PER_REQUEST = 4096
-
-#: `generation_kwargs` keys of `/generate/` (vLLM SamplingParams names) and their types.
-GENERATION_KWARGS: dict[str, type | tuple[type, ...]] = {
-    "seed": int,
-    "stop": (str, list),
-    "stop_token_ids": list,
-    "ignore_eos": bool,
-    "min_tokens": int,
-    "frequency_penalty": (int, float),
-    "presence_penalty": (int, float),
-    "repetition_penalty": (int, float),
-    "include_stop_str_in_output": bool,
-    "skip_special_tokens": bool,
-    "temperature": (int, float),
-    "top_p": (int, float),
-    "top_k": int,
-    "min_p": (int, float),
-    "max_tokens": int,
-    "n": int,
-    "logprobs": int,
-}
-
-
-class BadRequest(ValueError):
-    """A request that cannot be served as asked; the message names the field."""
-
-    def __init__(self, message: str, error: str = "invalid_request") -> None:
-        super().__init__(message)
-        self.error = error
 
 
 @dataclass(frozen=True)
 class Limits:
     max_model_len: int
     vocab_size: int  # token ids the tokenizer knows: 0 .. vocab_size - 1
-
-
-def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    return (stop,) if isinstance(stop, str) else tuple(stop)
-
-
-def regex_of(fields: SamplingFields) -> str | None:
-    if fields.structured_outputs is not None and fields.structured_outputs.regex is not None:
-        return fields.structured_outputs.regex
-    return fields.guided_regex
-
-
-def options_from_fields(fields: SamplingFields, *, max_tokens: int, top_logprobs: int) -> SamplingOptions:
-    """SamplingOptions of an OpenAI-style request (max_tokens already resolved against the budget)."""
-    return SamplingOptions(
-        n=fields.n,
-        temperature=fields.temperature,
-        top_p=fields.top_p,
-        top_k=fields.top_k if fields.top_k and fields.top_k > 0 else 0,
-        min_p=fields.min_p or 0.0,
-        repetition_penalty=fields.repetition_penalty,
-        frequency_penalty=fields.frequency_penalty,
-        presence_penalty=fields.presence_penalty,
-        max_tokens=max_tokens,
-        min_tokens=fields.min_tokens,
-        seed=fields.seed,
-        stop=stop_strings(fields.stop),
-        stop_token_ids=tuple(fields.stop_token_ids or ()),
-        include_stop_str_in_output=fields.include_stop_str_in_output,
-        ignore_eos=fields.ignore_eos,
-        skip_special_tokens=fields.skip_special_tokens,
-        top_logprobs=top_logprobs,
-        regex=regex_of(fields),
-    )
-
-
-def check_generation_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """`/generate/`'s generation_kwargs: known keys with the right types, else BadRequest."""
-    for key, value in kwargs.items():
-        expected = GENERATION_KWARGS.get(key)
-        if expected is None:
-            known = ", ".join(sorted(GENERATION_KWARGS))
-            raise BadRequest(f"generation_kwargs.{key} is not supported (supported: {known})")
-        if isinstance(value, bool) and expected is not bool:
-            raise BadRequest(f"generation_kwargs.{key} must be a number, got a boolean")
-        if not isinstance(value, expected):
-            raise BadRequest(f"generation_kwargs.{key} has the wrong type {type(value).__name__}")
-    return kwargs
 
 
 def check_prompts(prompts: list[list[int]], limits: Limits, field: str = "prompt") -> None:
@@ -139,8 +62,42 @@ def check_options(options: SamplingOptions, prompts: list[list[int]], limits: Li
         raise BadRequest(
             f"n × prompts = {options.n * len(prompts)} sequences; at most {MAX_SEQUENCES_PER_REQUEST} per request"
         )
-    bad = [t for t in options.stop_token_ids if t < 0 or t >= limits.vocab_size]
-    if bad:
-        raise BadRequest(f"stop_token_ids has token id {bad[0]} outside the vocabulary")
+    token_lists = {
+        "stop_token_ids": options.stop_token_ids,
+        "logit_bias": [token for token, _ in options.logit_bias],
+        "allowed_token_ids": options.allowed_token_ids or (),
+    }
+    for field, tokens in token_lists.items():
+        bad = [t for t in tokens if t < 0 or t >= limits.vocab_size]
+        if bad:
+            raise BadRequest(f"{field} has token id {bad[0]} outside the vocabulary (0..{limits.vocab_size - 1})")
     if options.min_tokens > options.max_tokens:
         raise BadRequest(f"min_tokens ({options.min_tokens}) exceeds max_tokens ({options.max_tokens})")
+    check_ranges(options)
+
+
+#: Seeds the engines' generators take (signed 64-bit).
+SEED_RANGE = (-(2**63), 2**63 - 1)
+#: Stop token ids per request (vLLM's sampler holds at most 128 while min_tokens applies).
+MAX_STOP_TOKEN_IDS = 128
+#: Alternatives per token an engine returns at most (vLLM's default max_logprobs).
+MAX_TOP_LOGPROBS = 20
+
+
+def check_ranges(options: SamplingOptions) -> None:
+    """The last line before the engine, whatever the request form: finite numbers, bounded integers."""
+    for item in dataclasses.fields(options):
+        value = getattr(options, item.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise BadRequest(f"{item.name} must be a finite number, got {value}")
+    if options.seed is not None and not SEED_RANGE[0] <= options.seed <= SEED_RANGE[1]:
+        raise BadRequest(f"seed must be a signed 64-bit integer, got {options.seed}")
+    if len(options.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise BadRequest(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids, got {len(options.stop_token_ids)}")
+    if not 0 <= options.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"logprobs: 0 to {MAX_TOP_LOGPROBS} alternatives per token, got {options.top_logprobs}")
+    if options.max_tokens < 1 or options.min_tokens < 0 or options.n < 1:
+        raise BadRequest(
+            f"max_tokens must be ≥ 1, min_tokens ≥ 0 and n ≥ 1 (got {options.max_tokens}, {options.min_tokens}, "
+            f"{options.n})"
+        )

@@ -4,28 +4,120 @@ Native models follow the Axolotl/TRL-legacy server (`/generate/`); OpenAI models
 follow vLLM's OpenAI server as far as TRL 1.16's client and the `openai` package
 use it. Wire models shared with clients (health, adapter trigger, errors) live in
 `grpo_api.protocol`.
+
+Each generation request turns itself into the engine's `SamplingOptions`
+(`options(prompts, limits)`), as vLLM's protocol models do with `to_sampling_params`:
+the handlers only tokenize, convert and call the service. Which OpenAI and vLLM fields
+are honoured, ignored or refused is the table in `grpo_server.fields`.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from grpo_api.protocol import ActiveAdapter
+from grpo_server.engines.base import SamplingOptions, StructuredOutput
+from grpo_server.errors import BadRequest
+from grpo_server.fields import GENERATION_KWARGS, Endpoint, check_generation_kwargs, check_sent, describe
+from grpo_server.sampling import Limits, resolve_max_tokens
 
 MAX_LOGPROBS = 20
+#: Entries of logit_bias and allowed_token_ids: vLLM 0.26's sampler (V2 model runner) holds at most 1024.
+MAX_SAMPLING_TOKEN_IDS = 1024
 
 
 class RequestModel(BaseModel):
-    # OpenAI clients send fields this server does not use (user, stream_options...): ignore them.
-    model_config = ConfigDict(extra="ignore")
+    # Fields the model does not declare are kept, so that `grpo_server.fields` can refuse or ignore them.
+    model_config = ConfigDict(extra="allow")
+
+
+def _documented(endpoint: Endpoint) -> Callable[[dict[str, Any]], None]:
+    """json_schema_extra of a request model: its /docs description lists the ignored and refused fields."""
+
+    def extra(schema: dict[str, Any]) -> None:
+        schema["description"] = f"{schema.get('description', '').strip()}\n\n{describe(endpoint)}"
+
+    return extra
 
 
 class StructuredOutputs(RequestModel):
-    """Guided decoding; only a regex is supported."""
+    """Guided decoding (vLLM's `StructuredOutputsParams`): exactly one of json, regex, choice, grammar, json_object."""
 
-    regex: str | None = Field(default=None, description="Completions must match this regular expression.")
+    model_config = ConfigDict(populate_by_name=True)
+
+    json_schema: dict[str, Any] | str | None = Field(
+        default=None, alias="json", description="A JSON schema (object or JSON text) the completion follows."
+    )
+    regex: str | None = Field(default=None, description="A regular expression the completion matches.")
+    choice: list[str] | None = Field(default=None, min_length=1, description="The completion is one of these.")
+    grammar: str | None = Field(
+        default=None, description="An EBNF grammar (vllm engine only; the transformers engine answers 400)."
+    )
+    json_object: bool | None = Field(default=None, description="true: the completion is a JSON object.")
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_is_an_object(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | str | None:
+        if isinstance(value, str):
+            try:
+                loaded = json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"json is not valid JSON: {exc}") from exc
+            if not isinstance(loaded, dict):
+                raise ValueError("json must be a JSON schema object")
+        return value
+
+    def constraint(self) -> StructuredOutput:
+        """The one constraint set; BadRequest when none or several are."""
+        kinds: list[StructuredOutput] = []
+        if self.json_schema is not None:
+            schema = self.json_schema if isinstance(self.json_schema, str) else json.dumps(self.json_schema)
+            kinds.append(StructuredOutput("json", schema))
+        if self.regex is not None:
+            kinds.append(StructuredOutput("regex", self.regex))
+        if self.choice is not None:
+            kinds.append(StructuredOutput("choice", choices=tuple(self.choice)))
+        if self.grammar is not None:
+            kinds.append(StructuredOutput("grammar", self.grammar))
+        if self.json_object:
+            kinds.append(StructuredOutput("json_object"))
+        if len(kinds) != 1:
+            named = ", ".join(k.kind for k in kinds) or "none"
+            raise BadRequest(
+                f"structured_outputs: set exactly one of json, regex, choice, grammar, json_object (got {named})"
+            )
+        return kinds[0]
+
+
+class JsonSchemaFormat(RequestModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str | None = Field(default=None, description="The schema's name (no effect).")
+    description: str | None = Field(default=None, description="What the schema is for (no effect).")
+    schema_: dict[str, Any] = Field(alias="schema", description="The JSON schema the completion follows.")
+    strict: bool | None = Field(default=None, description="Accepted: the output always follows the schema.")
+
+
+class ResponseFormat(RequestModel):
+    """OpenAI's `response_format`: text (no constraint), json_object or json_schema."""
+
+    type: str = Field(description="text, json_object or json_schema.")
+    json_schema: JsonSchemaFormat | None = Field(default=None, description="The schema, for type json_schema.")
+
+    def constraint(self) -> StructuredOutput | None:
+        if self.type == "json_object":
+            return StructuredOutput("json_object")
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise BadRequest("response_format.json_schema is required when type is json_schema")
+            return StructuredOutput("json", json.dumps(self.json_schema.schema_))
+        return None
 
 
 class SamplingFields(RequestModel):
@@ -46,6 +138,18 @@ class SamplingFields(RequestModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, description="vLLM repetition penalty (1 disables).")
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="OpenAI frequency penalty.")
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="OpenAI presence penalty.")
+    logit_bias: dict[str, float] | None = Field(
+        default=None,
+        max_length=MAX_SAMPLING_TOKEN_IDS,
+        description="Token id (as a string) -> bias added to its raw logit before penalties and temperature, "
+        "as vLLM does; biases are clamped to [-100, 100].",
+    )
+    allowed_token_ids: list[int] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_SAMPLING_TOKEN_IDS,
+        description="Only these token ids may be generated (EOS too only if listed).",
+    )
     seed: int | None = Field(default=None, description="Seed for reproducible sampling.")
     stop: str | list[str] | None = Field(default=None, description="Stop strings (not included in the text).")
     stop_token_ids: list[int] | None = Field(default=None, description="Token ids that end a completion.")
@@ -53,15 +157,100 @@ class SamplingFields(RequestModel):
     ignore_eos: bool = Field(default=False, description="Keep generating past EOS.")
     include_stop_str_in_output: bool = Field(default=False, description="Keep the matched stop string.")
     skip_special_tokens: bool = Field(default=True, description="Leave special tokens out of the text.")
-    structured_outputs: StructuredOutputs | None = Field(default=None, description="Guided decoding (regex).")
+    prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Return the raw model's logprob of each prompt token given its prefix (null for the first), "
+        "with this many top alternatives, in vLLM's format: `{token_id: {logprob, rank, decoded_token}}`.",
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        default=None, description="Guided decoding: exactly one of json, regex, choice, grammar, json_object."
+    )
+    response_format: ResponseFormat | None = Field(
+        default=None, description="OpenAI's output format: text, json_object or json_schema (guided decoding)."
+    )
     guided_regex: str | None = Field(default=None, description="Older name of structured_outputs.regex.")
+    truncate_prompt_tokens: int | None = Field(
+        default=None,
+        ge=-1,
+        description="Accepted only when no prompt is longer (400 otherwise): the server does not truncate.",
+    )
+
+    def constraint(self) -> StructuredOutput | None:
+        """The structured-output constraint from whichever one field sets it."""
+        given = [
+            name
+            for name in ("structured_outputs", "response_format", "guided_regex")
+            if getattr(self, name) is not None
+        ]
+        if len(given) > 1:
+            raise BadRequest(f"{' and '.join(given)}: set one way of guided decoding")
+        if self.structured_outputs is not None:
+            return self.structured_outputs.constraint()
+        if self.response_format is not None:
+            return self.response_format.constraint()
+        if self.guided_regex is not None:
+            return StructuredOutput("regex", self.guided_regex)
+        return None
+
+    def check_fields(self, endpoint: Endpoint, prompts: Sequence[Sequence[int]]) -> None:
+        """400 for any field sent that `grpo_server.fields` refuses (prompts: for truncate_prompt_tokens)."""
+        check_sent(self.model_dump(exclude_unset=True, exclude={"prompt", "messages"}), endpoint, prompts)
+        if self.structured_outputs is not None:
+            check_sent(self.structured_outputs.model_extra or {}, endpoint, prefix="structured_outputs.")
+        if self.response_format is not None:
+            check_sent({"type": self.response_format.type}, endpoint, prefix="response_format.")
+
+    def sampling_options(self, *, max_tokens: int, top_logprobs: int) -> SamplingOptions:
+        """The engine's options (max_tokens already resolved against the budget)."""
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        constraint = self.constraint()
+        return SamplingOptions(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k if self.top_k and self.top_k > 0 else 0,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            top_logprobs=top_logprobs,
+            logit_bias=_logit_bias(self.logit_bias),
+            allowed_token_ids=tuple(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
+            prompt_logprobs=self.prompt_logprobs,
+            regex=constraint.spec if constraint is not None and constraint.kind == "regex" else None,
+            structured=constraint if constraint is not None and constraint.kind != "regex" else None,
+        )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """Sorted (token id, bias) pairs, biases clamped to [-100, 100] as vLLM clamps them."""
+    pairs: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise BadRequest(f"logit_bias: key {key!r} is not a token id") from None
+        pairs[token] = min(100.0, max(-100.0, float(value)))
+    return tuple(sorted(pairs.items()))
 
 
 # ---------------------------------------------------------------------------------- OpenAI completions
 
 
 class CompletionRequest(SamplingFields):
-    """`POST /v1/completions` (TRL 1.16's generation call)."""
+    """`POST /v1/completions` (TRL 1.16's generation and scoring calls)."""
+
+    model_config = ConfigDict(json_schema_extra=_documented(Endpoint.COMPLETIONS))
 
     prompt: str | list[int] | list[list[int]] | list[str] = Field(
         description="A text, a list of texts, one token-id list, or a list of token-id lists."
@@ -75,12 +264,29 @@ class CompletionRequest(SamplingFields):
     return_token_ids: bool = Field(default=False, description="Add prompt_token_ids and token_ids to each choice.")
     return_tokens_as_token_ids: bool = Field(default=False, description="Logprob tokens as `token_id:<id>`.")
 
+    def options(self, prompts: list[list[int]], limits: Limits) -> SamplingOptions:
+        self.check_fields(Endpoint.COMPLETIONS, prompts)
+        max_tokens = resolve_max_tokens(self.max_tokens, prompts, limits)
+        return self.sampling_options(max_tokens=max_tokens, top_logprobs=self.logprobs or 0)
+
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(description="Sampled tokens (`token_id:<id>` when asked).")
     token_logprobs: list[float | None] = Field(description="Processed logprob of each sampled token.")
     top_logprobs: list[dict[str, float]] = Field(description="Per position: token -> logprob, sampled included.")
     text_offset: list[int] = Field(description="Character offset of each token in the text.")
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's `Logprob`: one token's logprob at a prompt position and its rank there."""
+
+    logprob: float = Field(description="Raw model logprob (-9999.0 for -inf, as vLLM clamps it).")
+    rank: int | None = Field(description="1 for the most likely token.")
+    decoded_token: str | None = Field(description="The token's text.")
+
+
+#: Per prompt position: null at position 0, then token id (as a string) -> logprob; the prompt token first.
+PromptLogprobsWire = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -91,6 +297,9 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = Field(default=None, description="Completion ids; EOS last when it stopped on EOS.")
+    prompt_logprobs: PromptLogprobsWire | None = Field(
+        default=None, description="With prompt_logprobs: the prompt's logprobs (the same in each of its n choices)."
+    )
 
 
 class Usage(BaseModel):
@@ -121,6 +330,8 @@ class CompletionResponse(TaggedResponse):
 class ChatRequest(SamplingFields):
     """`POST /v1/chat/completions`: one conversation, chat template applied by the server."""
 
+    model_config = ConfigDict(json_schema_extra=_documented(Endpoint.CHAT))
+
     messages: list[dict[str, Any]] = Field(min_length=1, description="OpenAI-style messages.")
     max_tokens: int | None = Field(
         default=None, ge=1, description="Tokens per completion; null: the rest of the budget."
@@ -136,6 +347,12 @@ class ChatRequest(SamplingFields):
     add_generation_prompt: bool = Field(default=True, description="End the prompt with the assistant header.")
     continue_final_message: bool = Field(default=False, description="Continue the last (assistant) message.")
     tools: list[dict[str, Any]] | None = Field(default=None, description="Tool schemas passed to the template.")
+
+    def options(self, prompt: list[int], limits: Limits) -> SamplingOptions:
+        self.check_fields(Endpoint.CHAT, [prompt])
+        requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        max_tokens = resolve_max_tokens(requested, [prompt], limits)
+        return self.sampling_options(max_tokens=max_tokens, top_logprobs=self.top_logprobs or 0)
 
 
 class ChatTopLogprob(BaseModel):
@@ -177,6 +394,9 @@ class ChatResponse(TaggedResponse):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = Field(default=None, description="The templated prompt's ids.")
+    prompt_logprobs: PromptLogprobsWire | None = Field(
+        default=None, description="With prompt_logprobs: the templated prompt's logprobs."
+    )
 
 
 # ------------------------------------------------------------------------------------------ native
@@ -184,6 +404,9 @@ class ChatResponse(TaggedResponse):
 
 class GenerateRequest(RequestModel):
     """`POST /generate/` (Axolotl's serve script and TRL ≤ 1.10's client)."""
+
+    # As those servers do; sampling fields go in generation_kwargs, which refuses keys it does not know.
+    model_config = ConfigDict(extra="ignore")
 
     prompts: list[str] | list[list[int]] = Field(description="Texts or token-id lists.")
     model: str | None = Field(default=None, description="As in /v1/completions: which policy to use.")
@@ -197,11 +420,48 @@ class GenerateRequest(RequestModel):
     max_tokens: int = Field(default=16, ge=1)
     logprobs: int | None = Field(default=0, ge=0, le=MAX_LOGPROBS, description="Alternatives per token; null: none.")
     seed: int | None = Field(default=None)
-    truncate_prompt_tokens: int | None = Field(default=None, description="Accepted and ignored, as in Axolotl.")
+    truncate_prompt_tokens: int | None = Field(
+        default=None, description="Accepted only when no prompt is longer (400 otherwise): the server does not "
+        "truncate."
+    )
     structured_outputs_regex: str | None = Field(default=None, description="Guided decoding regex.")
     generation_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="More sampling parameters by vLLM SamplingParams name."
+        default_factory=dict,
+        description="More sampling parameters by vLLM SamplingParams name: "
+        + ", ".join(sorted(GENERATION_KWARGS)) + "; any other is refused.",
     )
+
+    def top_logprobs(self) -> int | None:
+        """Alternatives per token (generation_kwargs.logprobs wins); None: no logprobs at all."""
+        value = self.generation_kwargs.get("logprobs", self.logprobs)
+        return value if isinstance(value, int) else None
+
+    def options(self, prompts: list[list[int]], limits: Limits) -> SamplingOptions:
+        """The top-level fields, overridden by generation_kwargs, checked as the OpenAI fields are."""
+        if self.images:
+            raise BadRequest("images: image prompts are not supported")
+        extra = check_generation_kwargs(self.generation_kwargs)
+        merged: dict[str, Any] = {
+            "n": self.n,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "seed": self.seed,
+            "model": self.model,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
+            "structured_outputs": {"regex": self.structured_outputs_regex} if self.structured_outputs_regex else None,
+        }
+        merged.update({k: v for k, v in extra.items() if k not in ("max_tokens", "logprobs")})
+        try:
+            fields = SamplingFields.model_validate(merged)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise BadRequest(f"generation_kwargs: {problems}") from exc
+        fields.check_fields(Endpoint.COMPLETIONS, prompts)
+        max_tokens = resolve_max_tokens(extra.get("max_tokens", self.max_tokens), prompts, limits)
+        return fields.sampling_options(max_tokens=max_tokens, top_logprobs=self.top_logprobs() or 0)
 
 
 class GenerateResponse(TaggedResponse):

@@ -36,9 +36,10 @@ from grpo_server.adapter_checks import (
 )
 from grpo_server.engines import choose_engine, create_engine
 from grpo_server.engines.base import AdapterHandle, AdapterLoadError, Engine, PromptResult, SamplingOptions
-from grpo_server.errors import ApiError
+from grpo_server.errors import ApiError, BadRequest
+from grpo_server.prompts import PromptEncoder
 from grpo_server.registry import AdapterRegistry, LoadedAdapter, adapter_name
-from grpo_server.sampling import BadRequest, Limits, check_options, check_prompts
+from grpo_server.sampling import Limits, check_options, check_prompts
 from grpo_server.settings import TRIGGER_WAIT_SECONDS, ServerSettings
 
 if TYPE_CHECKING:
@@ -57,14 +58,16 @@ class GenerationService:
     def __init__(self, settings: ServerSettings, engine_kind: str | None = None) -> None:
         self.settings = settings
         self.boot_id = uuid.uuid4().hex
-        self._token_texts: dict[int, str] = {}  # bounded by the vocabulary
         self.started_at = time.time()
         self._started_monotonic = time.monotonic()
-        self.fingerprint = model_fingerprint(settings.model_dir)
+        #: The base model's fingerprint; hashing the weights takes a while, so it is computed in `start`
+        #: beside the engine load and stays empty while /health/ answers 503 (loading).
+        self.fingerprint = ""
         self.engine_kind = engine_kind or choose_engine(settings.engine)
         self.registry = AdapterRegistry(settings.served_model_name, settings.server.max_loras)
         self.engine: Engine | None = None
         self.tokenizer: PreTrainedTokenizerBase | None = None
+        self.encoder: PromptEncoder | None = None
         self.limits: Limits | None = None
         self.ready = False
         self.load_error: str | None = None
@@ -82,19 +85,23 @@ class GenerationService:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Load tokenizer and engine; on failure record why and ask the process to exit."""
+        """Load tokenizer and engine and fingerprint the model; on failure record why and ask the process to exit."""
+        settings = self.settings
+        fingerprint = asyncio.create_task(asyncio.to_thread(model_fingerprint, settings.model_dir))
+        fingerprint.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved, even if unused
         try:
             from transformers import AutoTokenizer
 
-            tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(self.settings.model_dir))
-            settings = self.settings
+            tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(settings.model_dir))
             shapes = await asyncio.to_thread(linear_shapes, settings.model_dir)
-            self._served = ServedModel(settings.served_model_name, settings.model_dir, self.fingerprint, shapes)
             engine = create_engine(
                 self.engine_kind, settings.model_dir, settings.served_model_name, settings.server, tokenizer
             )
             await engine.start()
+            self.fingerprint = await fingerprint
+            self._served = ServedModel(settings.served_model_name, settings.model_dir, self.fingerprint, shapes)
         except Exception as exc:
+            fingerprint.cancel()
             self.load_error = f"{type(exc).__name__}: {exc}"
             log.exception("engine %s failed to start", self.engine_kind)
             self.on_fatal()
@@ -102,6 +109,9 @@ class GenerationService:
         self.tokenizer = tokenizer
         self.engine = engine
         self.limits = Limits(max_model_len=engine.max_model_len, vocab_size=len(tokenizer))
+        self.encoder = PromptEncoder(
+            tokenizer, max_model_len=engine.max_model_len, allow_chat_templates=self.settings.allow_chat_templates
+        )
         self.ready = True
         metrics.ENGINE_READY.set(1)
         log.info(
@@ -114,6 +124,8 @@ class GenerationService:
         metrics.ENGINE_READY.set(0)
         if self.engine is not None:
             await self.engine.shutdown()
+        if self.encoder is not None:
+            self.encoder.close()
 
     def serving(self) -> bool:
         return self.ready and self.engine is not None and self.engine.healthy()
@@ -171,48 +183,10 @@ class GenerationService:
 
     # ------------------------------------------------------------------ prompts
 
-    def encode_text(self, text: str) -> list[int]:
-        ids: list[int] = self.require_tokenizer()(text)["input_ids"]
-        return ids
-
-    def encode_chat(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        chat_template: str | None,
-        template_kwargs: dict[str, Any],
-        add_generation_prompt: bool,
-        continue_final_message: bool,
-        tools: list[dict[str, Any]] | None,
-    ) -> list[int]:
-        tokenizer = self.require_tokenizer()
-        if chat_template is None and not tokenizer.chat_template:
-            raise BadRequest("messages: the model has no chat template; pass chat_template")
-        try:
-            text = tokenizer.apply_chat_template(
-                messages,
-                chat_template=chat_template,
-                tools=tools,  # type: ignore[arg-type]
-                add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message,
-                tokenize=False,
-                **template_kwargs,
-            )
-        except Exception as exc:  # jinja and template errors of many types: the request's fault
-            raise BadRequest(f"messages: the chat template failed: {type(exc).__name__}: {exc}") from exc
-        if not isinstance(text, str):
-            raise BadRequest("messages: the chat template did not produce text")
-        ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
-        return ids
-
-    def decode_token(self, token_id: int) -> str:
-        """One token's text, cached: logprob names and text offsets ask for every sampled token."""
-        text = self._token_texts.get(token_id)
-        if text is None:
-            decoded = self.require_tokenizer().decode([token_id])
-            assert isinstance(decoded, str)
-            text = self._token_texts[token_id] = decoded
-        return text
+    def require_encoder(self) -> PromptEncoder:
+        self.require_engine()
+        assert self.encoder is not None
+        return self.encoder
 
     # ------------------------------------------------------------------ generation
 
@@ -243,18 +217,22 @@ class GenerationService:
         if ours and request.version is None:
             raise BadRequest("version is required with path")
         try:
-            await asyncio.wait_for(self._trigger_lock.acquire(), TRIGGER_WAIT_SECONDS)
-        except TimeoutError as exc:
-            self._count_refusal("adapter_load_busy")
-            raise AdapterRefusal(
-                "adapter_load_busy", f"another adapter load is still running after {TRIGGER_WAIT_SECONDS:.0f}s"
-            ) from exc
+            if ours and request.version is not None:  # a stale trigger need not queue behind a load
+                self.registry.refuse_out_of_order(request.version, request.sha256)
+            try:
+                await asyncio.wait_for(self._trigger_lock.acquire(), TRIGGER_WAIT_SECONDS)
+            except TimeoutError as exc:
+                raise AdapterRefusal(
+                    "adapter_load_busy", f"another adapter load is still running after {TRIGGER_WAIT_SECONDS:.0f}s"
+                ) from exc
+        except AdapterRefusal as refusal:
+            self._refused(refusal)
+            raise
         started = time.perf_counter()
         try:
             adapter = await self._load_and_activate(engine, request, ours)
         except AdapterRefusal as refusal:
-            self._count_refusal(refusal.reason)
-            log.warning("adapter refused (%s): %s", refusal.reason, refusal.message)
+            self._refused(refusal)
             raise
         finally:
             self._trigger_lock.release()
@@ -265,9 +243,12 @@ class GenerationService:
         return SetAdapterResponse(adapter=adapter.info, load_seconds=round(seconds, 6), boot_id=self.boot_id)
 
     async def _load_and_activate(self, engine: Engine, request: SetAdapterRequest, ours: bool) -> LoadedAdapter:
+        """Under the trigger lock: triggers run one at a time, so the highest version accepted is the active one."""
         version = request.version if ours and request.version is not None else self.registry.next_version()
         path = request.path if ours else request.lora_path
         assert path is not None
+        # again under the lock: a higher version may have been accepted while this trigger waited
+        self.registry.refuse_out_of_order(version, request.sha256 if ours else None)
         served = self._served_model()
         checked = await asyncio.to_thread(
             inspect_adapter,
@@ -280,10 +261,10 @@ class GenerationService:
             version=version if ours else None,
         )
         existing = self.registry.get(version)
-        if existing is not None:
+        if existing is not None:  # a retry: same number, and (inspection compared the digests) same contents
             if checked.digest is None or existing.digest != checked.digest:
                 raise AdapterRefusal(
-                    "adapter_checksum_mismatch",
+                    "adapter_version_conflict",
                     f"version {version} is already loaded with other contents; publish a new version",
                 )
             await asyncio.to_thread(verify_adapter_files, checked)
@@ -341,8 +322,9 @@ class GenerationService:
             metrics.ACTIVE_ADAPTER_VERSION.set(0)
             await self._evict()
 
-    def _count_refusal(self, reason: str) -> None:
-        metrics.ADAPTER_LOAD_FAILURES.labels(reason).inc()
+    def _refused(self, refusal: AdapterRefusal) -> None:
+        metrics.ADAPTER_LOAD_FAILURES.labels(refusal.reason).inc()
+        log.warning("adapter refused (%s): %s", refusal.reason, refusal.message)
 
     def _schedule_eviction(self) -> None:
         if len(self.registry.loaded) > self.registry.max_loaded:

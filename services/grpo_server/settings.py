@@ -12,6 +12,10 @@ from grpo_api.runconfig import RunConfig
 #: Largest request body accepted; more is answered 413. Overridable for very large token-id batches.
 ENV_MAX_BODY_BYTES = "GRPO_SERVER_MAX_BODY_BYTES"
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+#: Set to 1 to let requests carry their own chat_template (Jinja run in the server): off by default.
+ENV_ALLOW_CHAT_TEMPLATES = "GRPO_SERVER_ALLOW_CHAT_TEMPLATES"
+#: Listen address unless told otherwise: pods pass 0.0.0.0 explicitly.
+DEFAULT_HOST = "127.0.0.1"
 #: How long SIGTERM waits for in-flight requests before closing them.
 GRACEFUL_SHUTDOWN_SECONDS = 20
 #: How long a second adapter trigger waits for the first before it is refused.
@@ -31,12 +35,31 @@ class ServerSettings:
     port: int
     max_body_bytes: int
     run_name: str
+    allow_chat_templates: bool = False
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def settings_from_config(
-    config: RunConfig, *, host: str | None, port: int | None, engine: str | None
+    config: RunConfig,
+    *,
+    host: str | None,
+    port: int | None,
+    engine: str | None,
+    max_body_bytes: int | None = None,
+    allow_chat_templates: bool | None = None,
 ) -> ServerSettings:
     server = config.spec.effective_server
+    if max_body_bytes is None:
+        raw = os.environ.get(ENV_MAX_BODY_BYTES, str(DEFAULT_MAX_BODY_BYTES))
+        try:
+            max_body_bytes = int(raw)
+        except ValueError:
+            raise ValueError(f"${ENV_MAX_BODY_BYTES}={raw!r} is not a number of bytes") from None
+    if max_body_bytes < 1024:
+        raise ValueError(f"the request body limit must be at least 1024 bytes, got {max_body_bytes}")
     return ServerSettings(
         served_model_name=config.spec.model.name,
         model_dir=config.model_dir(),
@@ -45,8 +68,11 @@ def settings_from_config(
         token=config.read_token(),
         engine=engine or str(server.engine),
         server=server,
-        host=host or "0.0.0.0",
+        host=host or DEFAULT_HOST,
         port=port or server.port,
-        max_body_bytes=int(os.environ.get(ENV_MAX_BODY_BYTES, DEFAULT_MAX_BODY_BYTES)),
+        max_body_bytes=max_body_bytes,
         run_name=config.run.name,
+        allow_chat_templates=(
+            env_flag(ENV_ALLOW_CHAT_TEMPLATES) if allow_chat_templates is None else allow_chat_templates
+        ),
     )

@@ -90,8 +90,8 @@ def get_preset(preset: str) -> Preset:
 def preset_config(preset: str, seed: int | None = None) -> Qwen2Config:
     """The Qwen2Config of a preset; with `seed`, the config records preset and seed.
 
-    Recording them matters: the base-model fingerprint hashes config.json and weight
-    file sizes, not weight bytes, so without them two seeds would look like one model.
+    Recording them keeps a model's config honest about where its weights came from (the
+    base-model fingerprint also hashes the weight bytes, so two seeds differ either way).
     """
     from transformers import Qwen2Config
 

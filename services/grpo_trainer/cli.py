@@ -7,9 +7,6 @@ from pathlib import Path
 
 import click
 
-from grpo_api.runconfig import RunConfigError, load_run_config
-from grpo_trainer.errors import TrainingFailed
-
 config_option = click.option(
     "--config",
     "config_path",
@@ -24,17 +21,13 @@ config_option = click.option(
 def train(config_path: Path | None) -> None:
     """Run the GRPO trainer of one attempt ($GRPO_ATTEMPT) against the run's server.
 
-    Resumes from the latest complete checkpoint when one exists. Exits non-zero
-    with the reason on stderr when the run cannot continue.
+    Resumes from the latest complete checkpoint when one exists. When the run cannot continue, the reason
+    goes to stderr and the termination log. Exit code 0: done; 1: failed (the next attempt may succeed);
+    2: a configuration problem no retry fixes (fix the GRPORun).
     """
-    from grpo_trainer.runner import attempt_from_env, run_training
+    from grpo_trainer.runner import run_train
 
-    try:
-        cfg = load_run_config(config_path)
-        run_training(cfg, attempt=attempt_from_env())
-    except (RunConfigError, TrainingFailed) as exc:
-        click.echo(f"grpo train: error: {exc}", err=True)
-        sys.exit(1)
+    sys.exit(run_train(config_path))
 
 
 @click.command("prepare")

@@ -106,6 +106,9 @@ def grpo_config_kwargs(
     }
     if colocate:
         kwargs["vllm_enable_sleep_mode"] = True
+    if t.structured_outputs is not None:
+        # TRL puts generation_kwargs into every server request and into colocate's SamplingParams
+        kwargs["generation_kwargs"] = {"structured_outputs": t.structured_outputs.vllm_params()}
     return kwargs
 
 

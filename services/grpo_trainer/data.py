@@ -3,6 +3,9 @@
 Prompts are plain strings (tokenized as they are) or conversations (a list of
 {role, content} messages; TRL applies the tokenizer's chat template). Either
 way the trainer tokenizes and the server receives token ids.
+
+`grpo prepare` loads it with the same function before any server starts, so a dataset that cannot be
+trained on fails the run there; each error names the spec field, the file and, for jsonl, the line.
 """
 
 from __future__ import annotations
@@ -18,15 +21,15 @@ from datasets import Dataset, DatasetDict, load_from_disk
 from datasets.table import InMemoryTable
 
 from grpo_api.models import DatasetFormat, DatasetSpec, PromptFormat
-from grpo_trainer.errors import TrainingFailed
+from grpo_trainer.errors import InvalidSpec
 
 PROMPT = "prompt"
 
 log = logging.getLogger(__name__)
 
 
-class DatasetError(TrainingFailed):
-    """The dataset cannot be trained on; the message names the file and the field."""
+class DatasetError(InvalidSpec):
+    """The dataset cannot be trained on; the message names the field, the file and the line."""
 
 
 def detect_format(path: Path, declared: DatasetFormat | str) -> DatasetFormat:
@@ -39,7 +42,7 @@ def detect_format(path: Path, declared: DatasetFormat | str) -> DatasetFormat:
     if path.suffix == ".parquet":
         return DatasetFormat.PARQUET
     raise DatasetError(
-        f"{path}: cannot tell the format from the name; set dataset.format to jsonl, parquet or arrow"
+        f"spec.dataset.format: cannot tell the format of {path} from its name; set it to jsonl, parquet or arrow"
     )
 
 
@@ -52,37 +55,46 @@ def _read_jsonl(path: Path, prompt_field: str) -> Dataset:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DatasetError(f"{path} line {number}: not valid JSON: {exc}") from exc
+                raise DatasetError(f"spec.dataset: {path} line {number}: not valid JSON: {exc}") from exc
             if not isinstance(row, dict):
-                raise DatasetError(f"{path} line {number}: expected a JSON object, got {type(row).__name__}")
-            prompt = row.get(prompt_field)
-            if prompt_field in row and not (isinstance(prompt, str) or _is_conversation(prompt)):
                 raise DatasetError(
-                    f"{path} line {number}: {prompt_field} must be a string or a list of {{role, content}} "
-                    f"messages, got {type(prompt).__name__}"
+                    f"spec.dataset: {path} line {number}: expected a JSON object, got {type(row).__name__}"
+                )
+            if prompt_field not in row:
+                # Dataset.from_list takes its columns from the first row: a prompt missing here would
+                # lose the column, or leave this row without one.
+                raise DatasetError(
+                    f"spec.dataset.promptField: {path} line {number} has no field {prompt_field!r}; "
+                    f"its fields: {', '.join(row) or 'none'}"
+                )
+            prompt = row[prompt_field]
+            if not (isinstance(prompt, str) or _is_conversation(prompt)):
+                raise DatasetError(
+                    f"spec.dataset.promptField: {path} line {number}: {prompt_field} must be a string or a list "
+                    f"of {{role, content}} messages, got {type(prompt).__name__}"
                 )
             rows.append(row)
     try:
         return Dataset.from_list(rows)
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        raise DatasetError(f"{path}: a column holds values of different types: {exc}") from exc
+        raise DatasetError(f"spec.dataset: {path}: a column holds values of different types: {exc}") from exc
 
 
 def _read_saved(path: Path, split: str) -> Dataset:
     loaded = load_from_disk(str(path))
     if isinstance(loaded, DatasetDict):
         if split not in loaded:
-            raise DatasetError(f"{path}: no split {split!r} (dataset.split); splits: {', '.join(loaded)}")
+            raise DatasetError(f"spec.dataset.split: {path} has no split {split!r}; splits: {', '.join(loaded)}")
         loaded = loaded[split]
     if not isinstance(loaded, Dataset):
-        raise DatasetError(f"{path}: not a map-style dataset written by save_to_disk")
+        raise DatasetError(f"spec.dataset: {path} is not a map-style dataset written by save_to_disk")
     return loaded
 
 
 def read_dataset(path: Path, spec: DatasetSpec) -> Dataset:
     """Read the file or directory; no validation of the columns yet."""
     if not path.exists():
-        raise DatasetError(f"dataset.path {path} does not exist")
+        raise DatasetError(f"spec.dataset.path: {path} does not exist")
     fmt = detect_format(path, spec.format)
     try:
         if fmt == DatasetFormat.JSONL:
@@ -93,7 +105,7 @@ def read_dataset(path: Path, spec: DatasetSpec) -> Dataset:
     except DatasetError:
         raise
     except (OSError, ValueError) as exc:
-        raise DatasetError(f"{path}: cannot read as {fmt.value}: {exc}") from exc
+        raise DatasetError(f"spec.dataset: {path}: cannot read as {fmt.value}: {exc}") from exc
 
 
 def _is_conversation(value: object) -> bool:
@@ -114,15 +126,15 @@ def prompt_kind(dataset: Dataset, source: str, declared: PromptFormat | str) -> 
             kinds.add(PromptFormat.CONVERSATIONAL)
         else:
             raise DatasetError(
-                f"{source} row {index}: prompt must be a string or a list of {{role, content}} messages, "
-                f"got {type(value).__name__}"
+                f"spec.dataset.promptField: {source} row {index}: the prompt must be a string or a list of "
+                f"{{role, content}} messages, got {type(value).__name__}"
             )
     if len(kinds) > 1:
-        raise DatasetError(f"{source}: prompts mix plain strings and conversations; use one kind")
+        raise DatasetError(f"spec.dataset: the prompts of {source} mix plain strings and conversations; use one kind")
     kind = kinds.pop()
     if declared != PromptFormat.AUTO and kind != declared:
-        raise DatasetError(f"{source}: dataset.promptFormat is {PromptFormat(declared).value} but prompts are "
-                           f"{kind.value}")
+        raise DatasetError(f"spec.dataset.promptFormat is {PromptFormat(declared).value} but the prompts of "
+                           f"{source} are {kind.value}")
     return kind
 
 
@@ -131,21 +143,22 @@ def load_prompts(path: Path, spec: DatasetSpec, *, tokenizer: Any, max_prompt_le
     """The training dataset with a `prompt` column, validated, long prompts dropped."""
     dataset = read_dataset(path, spec)
     source = str(path)
+    if len(dataset) == 0:
+        raise DatasetError(f"spec.dataset: {source} is empty: no rows to train on")
     if spec.prompt_field not in dataset.column_names:
         raise DatasetError(
-            f"{source}: no column {spec.prompt_field!r} (dataset.promptField); columns: "
+            f"spec.dataset.promptField: {source} has no column {spec.prompt_field!r}; columns: "
             f"{', '.join(dataset.column_names) or 'none'}"
         )
     if spec.prompt_field != PROMPT:
         if PROMPT in dataset.column_names:
-            raise DatasetError(f"{source}: dataset.promptField is {spec.prompt_field!r} but a 'prompt' column "
-                               "exists too; rename one")
+            raise DatasetError(f"spec.dataset.promptField is {spec.prompt_field!r} but {source} has a 'prompt' "
+                               "column too; rename one")
         dataset = dataset.rename_column(spec.prompt_field, PROMPT)
-    if len(dataset) == 0:
-        raise DatasetError(f"{source}: the dataset has no rows")
     kind = prompt_kind(dataset, source, spec.prompt_format)
     if kind == PromptFormat.CONVERSATIONAL and not getattr(tokenizer, "chat_template", None):
-        raise DatasetError(f"{source}: prompts are conversations but the model's tokenizer has no chat template")
+        raise DatasetError(f"spec.dataset: the prompts of {source} are conversations but the model's tokenizer "
+                           "has no chat template")
     if max_prompt_length is not None:
         before = len(dataset)
         dataset = dataset.filter(
@@ -160,8 +173,8 @@ def load_prompts(path: Path, spec: DatasetSpec, *, tokenizer: Any, max_prompt_le
             )
     if len(dataset) < min_rows:
         raise DatasetError(
-            f"{source}: {len(dataset)} usable prompts, but one step needs {min_rows} "
-            "(perDeviceBatchSize × gradientAccumulationSteps / numGenerations)"
+            f"spec.dataset: {source} has {len(dataset)} usable prompts, but one step needs {min_rows} "
+            "(spec.trainer: perDeviceBatchSize × gradientAccumulationSteps / numGenerations)"
         )
     return dataset
 

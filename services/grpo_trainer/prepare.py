@@ -7,6 +7,8 @@
 3. checks what the server and trainer will read, in their order: the model directory and its
    tokenizer, the dataset (as the trainer loads it), the reward functions (imported as the trainer
    imports them);
+4. fingerprints the model (`grpo_api.fingerprint`: every weight byte hashed once) when its directory
+   is writable, so the digests are cached beside the weights before the server and trainer need them;
 
 and says so on stdout in the protocol of `grpo_api.prepare_protocol`. A failure is permanent (exit 2:
 a configuration problem, the message names the field) or transient (exit 1: the network or the hub;
@@ -30,10 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, cast
 
+from grpo_api import exit_codes
+from grpo_api.fingerprint import model_fingerprint
 from grpo_api.prepare_protocol import (
-    DEFAULT_TERMINATION_LOG,
     DONE,
-    ENV_TERMINATION_LOG,
     EXIT_PERMANENT,
     EXIT_READY,
     EXIT_TRANSIENT,
@@ -553,8 +555,8 @@ def check_sources(cfg: RunConfig, reporter: Reporter) -> PrepareResult:
             max_prompt_length=trainer.max_prompt_length,
             min_rows=trainer.generation_batch_size // trainer.num_generations,
         )
-    except TrainingFailed as exc:
-        raise PrepareFailed(f"spec.dataset: {exc}", permanent=True) from exc
+    except TrainingFailed as exc:  # its message names the spec.dataset field, the file and the line
+        raise PrepareFailed(str(exc), permanent=True) from exc
     except Exception as exc:
         raise PrepareFailed(
             f"spec.dataset: {dataset_path} does not load ({type(exc).__name__}: {exc})", permanent=True
@@ -569,8 +571,8 @@ def check_sources(cfg: RunConfig, reporter: Reporter) -> PrepareResult:
             ),
             cfg.reward_search_paths(),
         )
-    except TrainingFailed as exc:
-        raise PrepareFailed(f"spec.{exc}", permanent=True) from exc
+    except TrainingFailed as exc:  # its message names spec.rewards[i], and the module's file and line
+        raise PrepareFailed(str(exc), permanent=True) from exc
     return PrepareResult(model_dir=model_dir, dataset_path=dataset_path, prompts=len(dataset), rewards=len(funcs))
 
 
@@ -582,20 +584,33 @@ def prepare(cfg: RunConfig, reporter: Reporter) -> PrepareResult:
     write_inline_rewards(cfg, reporter)
     for fetch in cfg.sources.fetches:
         fetch_repository(fetch, reporter)
-    return check_sources(cfg, reporter)
+    result = check_sources(cfg, reporter)
+    warm_fingerprint(result.model_dir, reporter)
+    return result
+
+
+def warm_fingerprint(model_dir: Path, reporter: Reporter) -> None:
+    """Hash the weights into the fingerprint cache beside them, where the server and the trainer look first.
+
+    Only in a writable model directory (a read-only one would be cached in this pod's home, which no
+    other pod reads); a failure only costs the server the time to hash them itself.
+    """
+    if not os.access(model_dir, os.W_OK):
+        return
+    reporter.progress(f"fingerprinting the weights in {model_dir}")
+    try:
+        model_fingerprint(model_dir)
+    except (OSError, ValueError) as exc:
+        reporter.note(f"the model fingerprint is not cached ({type(exc).__name__}: {exc}); the server computes it")
 
 
 def write_termination_message(line: str, reporter: Reporter) -> None:
     """The final line into the termination log: $GRPO_TERMINATION_LOG (created), else /dev/termination-log
     when it exists and is writable (Kubernetes)."""
-    override = os.environ.get(ENV_TERMINATION_LOG)
-    path = Path(override) if override else Path(DEFAULT_TERMINATION_LOG)
-    if not override and not (path.exists() and os.access(path, os.W_OK)):
-        return
     try:
-        path.write_text(line + "\n")
+        exit_codes.write_termination_message(line)
     except OSError as exc:
-        reporter.note(f"cannot write the termination message to {path}: {exc}")
+        reporter.note(f"cannot write the termination message to {exit_codes.termination_log_path()}: {exc}")
 
 
 def run_prepare(config_path: str | Path | None, reporter: Reporter | None = None) -> int:

@@ -3,7 +3,8 @@
 A version is written into a hidden temporary directory under the adapter root,
 checked (vLLM must be able to serve it as a plain LoRA), given a manifest,
 fsynced and renamed atomically to `v<N>`: the server never sees a half-written
-version. The format itself is `grpo_api.adapters`, shared with the server.
+version. It holds regular files only (the server refuses symlinks and special
+files). The format itself is `grpo_api.adapters`, shared with the server.
 """
 
 from __future__ import annotations
@@ -119,9 +120,12 @@ class AdapterStore:
             known = save(tmp)
             lap("save")
             check_servable(tmp)
-            manifest = build_manifest(
-                tmp, version=version, step=step, base_model_fingerprint=self.base_model_fingerprint, known=known
-            )
+            try:
+                manifest = build_manifest(
+                    tmp, version=version, step=step, base_model_fingerprint=self.base_model_fingerprint, known=known
+                )
+            except ManifestError as exc:  # a symlink or special file: the server would refuse the version
+                raise TrainingFailed(f"{tmp}: the saved adapter cannot be published: {exc}") from exc
             write_manifest(tmp, manifest)
             lap("manifest")
             fsync_tree(tmp)

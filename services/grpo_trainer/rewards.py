@@ -13,19 +13,21 @@ import importlib
 import inspect
 import re
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from grpo_api.models import RewardSpec
-from grpo_trainer.errors import RewardFunctionFailed, TrainingFailed
+from grpo_trainer.errors import InvalidSpec, RewardFunctionFailed
 
 RewardFunc = Callable[..., Any]
 
 
-class RewardConfigError(TrainingFailed):
-    """A reward in the spec cannot be built; the message names `rewards[i]`."""
+class RewardConfigError(InvalidSpec):
+    """A reward in the spec cannot be built; the message names `spec.rewards[i]`, and the module's file and line
+    when importing it fails."""
 
 
 @dataclass(frozen=True)
@@ -151,23 +153,51 @@ BUILTINS: dict[str, Callable[[dict[str, Any], RewardContext, str], RewardFunc]] 
 # ---------------------------------------------------------------------------------------- user functions
 
 
+def _not_found(exc: Exception, module_name: str) -> bool:
+    """The module (or a package on its path) does not exist, as opposed to existing and failing to import."""
+    if not isinstance(exc, ModuleNotFoundError) or exc.name is None:
+        return False
+    return module_name == exc.name or module_name.startswith(exc.name + ".")
+
+
+def _where_it_failed(exc: BaseException) -> str:
+    """` (FILE line N)`: the syntax error's, else the line of the user's module that raised (the first frame
+    past the import machinery); "" when there is none."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f" ({exc.filename} line {exc.lineno})"
+    machinery = (__file__, importlib.__file__)
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if frame.filename not in machinery and not frame.filename.startswith("<frozen "):
+            return f" ({frame.filename} line {frame.lineno})"
+    return ""
+
+
 def import_user_function(path: str, search_paths: Sequence[Path], where: str) -> RewardFunc:
     """Import `module:function`, looking in search_paths (dataset dir, volume) before installed packages."""
     module_name, _, func_name = path.partition(":")
     for directory in reversed(search_paths):
         if directory.is_dir() and str(directory) not in sys.path:
             sys.path.insert(0, str(directory))
+    field = f"{where}.function {path!r}"
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
-        searched = ", ".join(str(p) for p in search_paths)
+        if _not_found(exc, module_name):
+            searched = ", ".join(str(p) for p in search_paths) or "no reward directory"
+            raise RewardConfigError(
+                f"{field}: cannot import module {module_name!r}: no such module in {searched} "
+                "or the installed packages"
+            ) from exc
         raise RewardConfigError(
-            f"{where}: cannot import module {module_name!r} for reward {path!r} "
-            f"({type(exc).__name__}: {exc}); searched {searched} and installed packages"
+            f"{field}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}{_where_it_failed(exc)}"
         ) from exc
     func = getattr(module, func_name, None)
     if func is None or not callable(func):
-        raise RewardConfigError(f"{where}: module {module_name!r} has no callable {func_name!r}")
+        found = getattr(module, "__file__", None) or module_name
+        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                       and getattr(v, "__module__", None) == module.__name__)
+        has = f"; its functions: {', '.join(names[:10])}" if names else ""
+        raise RewardConfigError(f"{field}: module {module_name!r} ({found}) has no callable {func_name!r}{has}")
     return func
 
 
@@ -231,7 +261,7 @@ def build_rewards(
     funcs: list[RewardFunc] = []
     names: set[str] = set()
     for index, spec in enumerate(specs):
-        where = f"rewards[{index}]"
+        where = f"spec.rewards[{index}]"
         if ":" in spec.function:
             func = import_user_function(spec.function, search_paths, where)
             if spec.args:

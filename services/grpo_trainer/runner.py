@@ -3,25 +3,29 @@
 Order matters: the cheap checks that can refuse the run (server reachable,
 same base model, fresh server unless resuming) come before the heavy imports
 and model loading, so a misconfigured attempt fails in seconds with a reason.
+How it ended is its exit code (`grpo_api.exit_codes`: a configuration problem
+no retry fixes is told apart from a failure the next attempt may not meet).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from grpo_api.exit_codes import EXIT_INVALID_SPEC, EXIT_SUCCEEDED, clip_final_message, write_termination_message
 from grpo_api.fingerprint import model_fingerprint
 from grpo_api.models import Mode
 from grpo_api.protocol import ENV_ATTEMPT, HealthResponse, TrainingProgress
-from grpo_api.runconfig import RunConfig, RunConfigError
+from grpo_api.runconfig import RunConfig, RunConfigError, load_run_config
 from grpo_trainer.adapter_io import publish_dtype
 from grpo_trainer.checkpoints import latest_complete, remove_incomplete
 from grpo_trainer.client import ServerClient
 from grpo_trainer.config import Platform
-from grpo_trainer.errors import ServerMismatch, TrainingFailed
+from grpo_trainer.errors import InvalidSpec, ServerMismatch, TrainingFailed, exit_code
 from grpo_trainer.metrics import TrainerMetrics, metrics_port
 from grpo_trainer.publish import AdapterStore
 from grpo_trainer.sync import AdapterSync
@@ -56,6 +60,28 @@ def handshake(client: ServerClient, *, fingerprint: str, model_dir: Path, resumi
     return health
 
 
+def run_train(config_path: str | Path | None) -> int:
+    """Load the run-config and train this attempt ($GRPO_ATTEMPT); the exit code (grpo_api.exit_codes).
+
+    A failure's message goes to stderr and to the termination log, where the executor reads it. An
+    unforeseen exception is not caught: its traceback is the log, and Python exits 1 (perhaps transient).
+    """
+    try:
+        cfg = load_run_config(config_path)
+        run_training(cfg, attempt=attempt_from_env())
+    except (RunConfigError, TrainingFailed) as exc:
+        code = exit_code(exc)
+        message = clip_final_message(str(exc))
+        note = " (a configuration problem: no retry fixes it)" if code == EXIT_INVALID_SPEC else ""
+        print(f"grpo train: error{note}: {message}", file=sys.stderr, flush=True)
+        try:
+            write_termination_message(message)
+        except OSError as err:
+            print(f"grpo train: cannot write the termination message: {err}", file=sys.stderr, flush=True)
+        return code
+    return EXIT_SUCCEEDED
+
+
 def run_training(cfg: RunConfig, *, attempt: int) -> TrainingProgress:
     """Train the run described by cfg; raises TrainingFailed (with the reason) if it cannot finish."""
     spec = cfg.spec
@@ -64,7 +90,7 @@ def run_training(cfg: RunConfig, *, attempt: int) -> TrainingProgress:
     try:
         model_dir = cfg.model_dir()
     except RunConfigError as exc:
-        raise TrainingFailed(str(exc)) from exc
+        raise InvalidSpec(str(exc)) from exc
     fingerprint = model_fingerprint(model_dir)
     checkpoint_root = Path(cfg.paths.checkpoint_dir)
     resume = latest_complete(checkpoint_root)
@@ -144,7 +170,7 @@ def _train(
                                                server_url=cfg.server_url, reward_weights=weights,
                                                platform=platform))
     except ValueError as exc:
-        raise TrainingFailed(f"spec.trainer settings rejected by TRL: {exc}") from exc
+        raise InvalidSpec(f"spec.trainer settings rejected by TRL: {exc}") from exc
     model = _load_model(model_dir, spec.model.dtype, quantize=t.lora.quantize_base, platform=platform)
     session = TrainingSession(sync=sync, metrics=metrics, progress_file=Path(cfg.paths.progress_file),
                               max_steps=t.max_steps, sync_interval=t.sync_interval, attempt=attempt,

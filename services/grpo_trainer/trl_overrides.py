@@ -80,7 +80,9 @@ class ServerGeneration(VLLMGeneration):
         }
         if self.structured_outputs_regex is not None:
             sampling["structured_outputs"] = {"regex": self.structured_outputs_regex}
-        sampling.update(self.generation_kwargs)  # TRL merges these at the top level, overriding the above
+        # TRL merges these at the top level, overriding the above; spec.trainer.structuredOutputs arrives
+        # here as {"structured_outputs": {...}} (StructuredOutputsSpec.vllm_params), as in TRL's own client
+        sampling.update(self.generation_kwargs)
         backend.sampling = sampling
         self.vllm_client = _ServerInfo(backend)  # type: ignore[assignment]
 

@@ -206,3 +206,41 @@ def test_a_missing_reward_function_fails_the_run_before_any_server(
     assert (status["phase"], status["reason"]) == ("Failed", "SourceUnavailable"), status
     assert "no_such_function" in status["message"] and "exit code" not in status["message"], status["message"]
     assert [c["role"] for c in children(run_dir)] == ["initializer"], children(run_dir)
+
+
+def test_an_empty_dataset_fails_the_run_before_any_server_saying_it_is_empty(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    empty = tmp_path / "prompts.jsonl"
+    empty.write_text("")
+    path = run_file(tmp_path, tiny_model_dir, empty)
+    run_dir = tmp_path / "run"
+    proc = grpo_run(path, run_dir)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0, out
+    status = json.loads((run_dir / "status.json").read_text())["status"]
+    assert (status["phase"], status["reason"]) == ("Failed", "SourceUnavailable"), status
+    assert f"spec.dataset: {empty} is empty: no rows to train on" in status["message"], status["message"]
+    assert [c["role"] for c in children(run_dir)] == ["initializer"], children(run_dir)
+
+
+def test_a_trainer_exiting_with_the_invalid_spec_code_ends_the_run_after_one_attempt(
+    tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path
+) -> None:
+    """QLoRA needs a CUDA GPU, which only the trainer can tell (the initializer has none to look at): the
+    trainer refuses it with exit code 2, and the run fails as InvalidSpec in its words, with backoffLimit
+    unspent: one server, one trainer."""
+    path = run_file(tmp_path, tiny_model_dir, tiny_dataset, lora={"r": 8, "alpha": 16, "quantizeBase": True})
+    run_dir = tmp_path / "run"
+    proc = grpo_run(path, run_dir)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode != 0, out
+    status = json.loads((run_dir / "status.json").read_text())["status"]
+    assert (status["phase"], status["reason"]) == ("Failed", "InvalidSpec"), status
+    assert (status["attempt"], status["failedAttempts"]) == (1, 1), status
+    assert "spec.trainer.lora.quantizeBase (QLoRA) needs a CUDA GPU" in status["message"], status["message"]
+    assert "exit code" not in status["message"], "the trainer's own words, not its exit code"
+    roles = sorted((c["role"], c["attempt"], c["exitCode"]) for c in children(run_dir) if c["role"] != "server")
+    assert roles == [("initializer", 0, 0), ("trainer", 1, 2)], children(run_dir)
+    assert [c["attempt"] for c in children(run_dir) if c["role"] == "server"] == [1]
+    assert not any(group_alive(c["pid"]) for c in children(run_dir)), "every child ends with the run"

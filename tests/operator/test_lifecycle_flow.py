@@ -102,6 +102,35 @@ def test_backoff_limit_exhausted_fails_the_run(
     assert [j.metadata.name for j in kube.jobs("r")] == ["r-trainer-1"]
 
 
+def test_a_trainer_exiting_with_the_invalid_spec_code_fails_the_run_at_once_without_another_server(
+    operator: OperatorProcess, kube: Kube, tiny_server: RunningServer
+) -> None:
+    """Exit code 2 (grpo_api.exit_codes.EXIT_INVALID_SPEC): the Job's podFailurePolicy fails it, and the run
+    fails as InvalidSpec in the trainer's words with its backoff budget unspent: no second attempt, no
+    restarted server (each would cost a GPU server for a problem no retry fixes)."""
+    kube.create_run("r", server_url=tiny_server.url, runPolicy={"backoffLimit": 3})
+    kube.wait_phase("r", "Training")
+    said = "spec.dataset: /data/prompts.jsonl line 3: not valid JSON: Expecting property name enclosed in double quotes"
+    kube.finish_job_pods("r-trainer-1", "trainer", 2, said)
+
+    status = kube.wait_phase("r", "Failed", reason="InvalidSpec")
+    assert status["attempt"] == 1 and status["failedAttempts"] == 1, status
+    assert said in status["message"] and "no retry fixes" in status["message"], status["message"]
+    assert conditions(status)["Failed"]["reason"] == "InvalidSpec"
+    failed = [c for c in kube.job("r-trainer-1").status.conditions or [] if c.type == "Failed"]
+    assert [c.reason for c in failed] == ["PodFailurePolicy"], "the Job's own podFailurePolicy failed it"
+    wait_for(lambda: kube.deployment("r-server").spec.replicas == 0, what="server scaled to 0")
+    wait_for(lambda: ("Warning", "InvalidSpec") in kube.events("r"), what="InvalidSpec event")
+
+    time.sleep(3)  # several reconciles: still nothing new
+    assert kube.status("r")["phase"] == "Failed"
+    assert [j.metadata.name for j in kube.jobs("r")] == ["r-trainer-1"]
+    assert kube.deployment("r-server").spec.template.metadata.annotations["grpo.dev/attempt"] == "1"
+    assert pod_attempts(kube, "r") in ([], ["1"]), "no server pod of a second attempt"
+    reasons = [reason for _, reason in kube.events("r")]
+    assert "Retrying" not in reasons and "TrainerFailed" not in reasons, reasons
+
+
 def test_server_that_never_gets_healthy_fails_with_server_not_ready(operator: OperatorProcess, kube: Kube) -> None:
     kube.create_run("r", server_url=UNREACHABLE, runPolicy={"backoffLimit": 0, "serverReadyTimeoutSeconds": 3})
     status = kube.wait_phase("r", "Failed", reason="ServerNotReady", timeout=30)

@@ -109,6 +109,60 @@ def test_failed_trainer_pod_explains_its_job() -> None:
     assert snap.trainer_problem("r-trainer-1") == ""
 
 
+def trainer_pod(code: int, message: str = "") -> dict[str, Any]:
+    terminated: dict[str, Any] = {"exitCode": code, "reason": "Error"}
+    if message:
+        terminated["message"] = message
+    return {
+        "metadata": {"name": "r-trainer-2-abc", "labels": {"grpo.dev/component": "trainer",
+                                                            "batch.kubernetes.io/job-name": "r-trainer-2"}},
+        "status": {"containerStatuses": [{"name": "trainer", "state": {"terminated": terminated}}]},
+    }
+
+
+SAID = "spec.dataset: /data/prompts.jsonl is empty: no rows to train on"
+BY_POLICY = {"type": "Failed", "status": "True", "reason": "PodFailurePolicy",
+             "message": "Container trainer for pod team/r-trainer-2-abc failed with exit code 2 matching FailJob rule"}
+BY_BACKOFF = {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+              "message": "Job has reached the specified backoff limit"}
+
+
+@pytest.mark.parametrize(
+    ("condition", "pod", "permanent", "message"),
+    [
+        (BY_POLICY, trainer_pod(2, SAID), True, SAID),
+        # a cluster that does not apply the policy: the pod's exit code says the same
+        (BY_BACKOFF, trainer_pod(2, SAID), True, SAID),
+        (BY_POLICY, None, True, "PodFailurePolicy: Container trainer for pod"),
+        (BY_BACKOFF, trainer_pod(1, "CUDA out of memory"), False, "BackoffLimitExceeded: Job has reached"),
+        ({"type": "Complete", "status": "True"}, trainer_pod(0), False, ""),
+    ],
+    ids=["by its policy", "by its exit code", "by its policy, pod gone", "transient", "succeeded"],
+)
+def test_a_trainer_failed_by_the_invalid_spec_code_is_observed_as_permanent_in_its_own_words(
+    condition: dict[str, str], pod: dict[str, Any] | None, permanent: bool, message: str
+) -> None:
+    from grpo_api.models import GRPORun, GRPORunStatus, Phase
+    from grpo_operator.reconcile import trainer_state
+
+    run = GRPORun.model_validate({"metadata": {"name": "r", "namespace": "team", "uid": "run-uid"}, "spec": {
+        "model": {"name": "tiny", "path": "/models/tiny"}, "dataset": {"path": "/data/prompts.jsonl"},
+        "rewards": [{"function": "token_fraction"}]}})
+    pods = [children.pod_info(pod)] if pod is not None else []
+    snap = children.snapshot("run-uid", pods, [], [children.job_info(job([condition]))])
+    status = GRPORunStatus(phase=Phase.TRAINING, attempt=2)
+    state, said, failed_permanently = trainer_state(None, run, status, snap)  # type: ignore[arg-type]
+    assert state == snap.jobs[0].state
+    assert failed_permanently is permanent
+    assert said.startswith(message), said
+
+
+def test_pod_summary_reads_the_exit_code_once_a_container_terminated() -> None:
+    assert children.pod_info(trainer_pod(2)).exit_code == 2
+    assert children.pod_info({"metadata": {"name": "p"}, "status": {"containerStatuses": [
+        {"name": "trainer", "state": {"running": {}}}]}}).exit_code is None
+
+
 def test_merge_patch_removes_dropped_keys_and_replaces_lists() -> None:
     old = {"phase": "Training", "server": {"bootId": "a", "url": "u"}, "conditions": [{"type": "X"}], "gone": 1}
     new = {"phase": "Training", "server": {"bootId": "b"}, "conditions": [{"type": "Y"}]}

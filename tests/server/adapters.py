@@ -98,3 +98,17 @@ def rewrite_tensors(adapter_dir: Path, change: Any) -> None:
     tensors = load_file(str(path))
     change(tensors)
     save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def add_manifest_entry(adapter_dir: Path, rel: str, sha256: str) -> str:
+    """Add an entry to a published manifest as a hostile publisher would; returns the manifest's new digest.
+
+    The model refuses such an entry when it validates, so it is added unvalidated, and the digest is
+    the one a server that did not check entries would compare the trigger's sha256 with.
+    """
+    from grpo_api.adapters import MANIFEST_NAME, read_manifest
+
+    manifest = read_manifest(adapter_dir)
+    hostile = manifest.model_copy(update={"files": {**manifest.files, rel: sha256}})
+    (adapter_dir / MANIFEST_NAME).write_text(json.dumps(hostile.model_dump(mode="json"), indent=2))
+    return hostile.digest()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -14,7 +16,7 @@ import pytest
 
 from grpo_api.protocol import ADAPTER_VERSION_HEADER, SetAdapterResponse
 from tests.fixtures.server import ENV_ENGINE, RunningServer, start_server
-from tests.server.adapters import LoraMaker, edit_config, publish_dir, rewrite_tensors
+from tests.server.adapters import LoraMaker, add_manifest_entry, edit_config, publish_dir, rewrite_tensors
 
 MAX_RANK = 8
 MAX_LORAS = 2
@@ -178,7 +180,7 @@ def test_retrigger_of_the_same_version_is_idempotent_and_other_contents_are_refu
     shutil.rmtree(path)
     _, other_digest = maker.publish(server.adapter_root, loaded, seed=999)
     clash = trigger(server, ours(path, loaded, other_digest))
-    assert clash.status_code == 409 and clash.json()["error"] == "adapter_checksum_mismatch"
+    assert clash.status_code == 409 and clash.json()["error"] == "adapter_version_conflict"
     assert "publish a new version" in clash.json()["message"]
 
 
@@ -370,6 +372,96 @@ def prepare_engine_cannot_load(server, maker, version, tmp):
     return ours(path, version, digest)
 
 
+def set_first_value(half, value):
+    def change(tensors):
+        tensors[first_key(tensors, half)][0, 0] = value
+
+    return change
+
+
+def prepare_nan_tensor(server, maker, version, tmp):
+    """Well-formed, checksummed and loadable: only reading the values shows every generation would fail."""
+    staging = maker.save(server.adapter_root / f".tmp-{version}", seed=1)
+    rewrite_tensors(staging, set_first_value("B", math.nan))
+    path, digest = publish_dir(staging, server.adapter_root, version, maker.fingerprint)
+    return ours(path, version, digest)
+
+
+def prepare_inf_tensor(server, maker, version, tmp):
+    staging = maker.save(server.adapter_root / f".tmp-{version}", seed=1)
+    rewrite_tensors(staging, set_first_value("A", -math.inf))
+    path, digest = publish_dir(staging, server.adapter_root, version, maker.fingerprint)
+    return ours(path, version, digest)
+
+
+def prepare_nan_axolotl(server, maker, version, tmp):
+    path = maker.save(server.adapter_root / f"axo-nan-{version}", seed=1)
+    rewrite_tensors(path, set_first_value("B", math.nan))
+    return {"lora_name": "x", "lora_int_id": 7, "lora_path": str(path)}
+
+
+def prepare_nan_bin(server, maker, version, tmp):
+    """PEFT's pickled format, read with torch.load(weights_only=True) for the same check."""
+    import torch
+    from safetensors.torch import load_file
+
+    staging = maker.save(server.adapter_root / f".tmp-{version}", seed=1)
+    tensors = load_file(str(staging / "adapter_model.safetensors"))
+    set_first_value("B", math.nan)(tensors)
+    torch.save(tensors, staging / "adapter_model.bin")
+    (staging / "adapter_model.safetensors").unlink()
+    path, digest = publish_dir(staging, server.adapter_root, version, maker.fingerprint)
+    return ours(path, version, digest)
+
+
+def prepare_symlinked_weights(server, maker, version, tmp):
+    """The manifest's digest matches, but the bytes live outside the root: the link itself is refused."""
+    path, digest = maker.publish(server.adapter_root, version, seed=1)
+    weights = path / "adapter_model.safetensors"
+    outside = tmp / "weights-outside.safetensors"
+    shutil.move(weights, outside)
+    weights.symlink_to(outside)
+    return ours(path, version, digest)
+
+
+def prepare_symlinked_subdirectory(server, maker, version, tmp):
+    path, digest = maker.publish(server.adapter_root, version, seed=1)
+    (tmp / "outside-dir").mkdir()
+    (tmp / "outside-dir" / "notes.txt").write_text("outside")
+    (path / "extra").symlink_to(tmp / "outside-dir", target_is_directory=True)
+    return ours(path, version, digest)
+
+
+def prepare_internal_symlink(server, maker, version, tmp):
+    """A link that stays inside the directory is refused too: a version holds regular files only."""
+    path, digest = maker.publish(server.adapter_root, version, seed=1)
+    (path / "config-link.json").symlink_to("adapter_config.json")
+    return ours(path, version, digest)
+
+
+def prepare_manifest_dotdot_entry(server, maker, version, tmp):
+    secret = server.adapter_root.parent / f"secret-{version}.bin"
+    secret.write_bytes(os.urandom(64))
+    path, _ = maker.publish(server.adapter_root, version, seed=1)
+    digest = add_manifest_entry(path, f"../../{secret.name}", hashlib.sha256(secret.read_bytes()).hexdigest())
+    return ours(path, version, digest)
+
+
+def prepare_manifest_absolute_entry(server, maker, version, tmp):
+    secret = tmp / "secret.bin"
+    secret.write_bytes(os.urandom(64))
+    path, _ = maker.publish(server.adapter_root, version, seed=1)
+    digest = add_manifest_entry(path, str(secret), hashlib.sha256(secret.read_bytes()).hexdigest())
+    return ours(path, version, digest)
+
+
+def prepare_fifo(server, maker, version, tmp):
+    """A FIFO would block whoever opens it: refused before any file is read."""
+    path, digest = maker.publish(server.adapter_root, version, seed=1)
+    os.mkfifo(path / "pipe")
+    return ours(path, version, digest)
+
+
 REFUSALS: list[tuple[str, Callable[..., dict[str, Any]], int, str]] = [
     ("absolute path outside the root", prepare_outside_root, 403, "adapter_outside_root"),
     ("dot-dot escape", prepare_dotdot, 403, "adapter_outside_root"),
@@ -394,6 +486,16 @@ REFUSALS: list[tuple[str, Callable[..., dict[str, Any]], int, str]] = [
     ("manifest missing", prepare_no_manifest, 409, "adapter_checksum_mismatch"),
     ("manifest of another version", prepare_manifest_of_another_version, 422, "adapter_config_invalid"),
     ("engine cannot load it", prepare_engine_cannot_load, 422, "adapter_load_failed"),
+    ("NaN in a tensor", prepare_nan_tensor, 422, "adapter_weights_invalid"),
+    ("Inf in a tensor", prepare_inf_tensor, 422, "adapter_weights_invalid"),
+    ("NaN in an axolotl adapter", prepare_nan_axolotl, 422, "adapter_weights_invalid"),
+    ("NaN in adapter_model.bin", prepare_nan_bin, 422, "adapter_weights_invalid"),
+    ("weights symlinked from outside the root", prepare_symlinked_weights, 403, "adapter_outside_root"),
+    ("subdirectory symlinked from outside", prepare_symlinked_subdirectory, 403, "adapter_outside_root"),
+    ("symlink inside the version", prepare_internal_symlink, 403, "adapter_outside_root"),
+    ("manifest entry with ..", prepare_manifest_dotdot_entry, 403, "adapter_outside_root"),
+    ("absolute manifest entry", prepare_manifest_absolute_entry, 403, "adapter_outside_root"),
+    ("FIFO in the version", prepare_fifo, 422, "adapter_config_invalid"),
 ]
 
 
@@ -417,6 +519,39 @@ def test_refused_adapters_get_4xx_with_the_reason_and_the_previous_adapter_stays
     assert not any(name.startswith("policy-v") and int(name[8:]) > loaded for name in served), served
     metrics = httpx.get(server.url + "/metrics").text
     assert f'grpo_server_adapter_load_failures_total{{reason="{reason}"}}' in metrics
+
+
+def escape_by_dotdot_entry(path: Path, secret: Path) -> str:
+    return add_manifest_entry(path, os.path.relpath(secret, path), "0" * 64)
+
+
+def escape_by_absolute_entry(path: Path, secret: Path) -> str:
+    return add_manifest_entry(path, str(secret), "0" * 64)
+
+
+def escape_by_symlink(path: Path, secret: Path) -> str:
+    (path / "notes.bin").symlink_to(secret)
+    return add_manifest_entry(path, "notes.bin", "0" * 64)
+
+
+ESCAPES = [escape_by_dotdot_entry, escape_by_absolute_entry, escape_by_symlink]
+
+
+@pytest.mark.parametrize("escape", ESCAPES, ids=[e.__name__ for e in ESCAPES])
+def test_refusals_say_nothing_about_a_file_outside_the_adapter_root(server, maker, next_version, tmp_path, escape):
+    secret = tmp_path / "secret.bin"
+    data = os.urandom(77777)
+    secret.write_bytes(data)
+    version = next_version()
+    path, _ = maker.publish(server.adapter_root, version, seed=1)
+    digest = escape(path, secret)  # the manifest's true digest: only its entries can be refused
+    present = trigger(server, ours(path, version, digest))
+    secret.unlink()
+    absent = trigger(server, ours(path, version, digest))
+    assert present.status_code == 403 and present.json()["error"] == "adapter_outside_root", present.text
+    assert present.json() == absent.json()  # the same answer whether the outside file exists or not
+    message = present.json()["message"]
+    assert hashlib.sha256(data).hexdigest() not in message and "77777" not in message
 
 
 def test_trigger_payloads_must_be_one_form_with_a_version(server):

@@ -1,4 +1,5 @@
-"""The transformers engine in-process: sampling semantics, processed logprobs, stops, adapters."""
+"""The transformers engine in-process: sampling semantics, processed logprobs, stops, adapters,
+logit bias and allowed tokens, prompt logprobs and structured outputs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-from grpo_server.engines.base import AdapterHandle, PromptResult, SamplingOptions
+from grpo_server.engines.base import (
+    AdapterHandle,
+    InvalidRequestError,
+    PromptResult,
+    SamplingOptions,
+    StructuredOutput,
+)
 from grpo_server.engines.transformers_engine import TransformersEngine
 from tests.server.adapters import LoraMaker
 
@@ -149,3 +156,137 @@ def test_adapters_change_output_and_the_base_model_stays_intact(engine, tiny_mod
     assert run(engine, PROMPTS, v2, **options) == on_v2
     asyncio.run(engine.remove_adapter(v2))
     assert run(engine, PROMPTS, None, **options) == base
+
+
+# ------------------------------------------------------------------- logit_bias, allowed_token_ids
+
+
+def reference_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits: torch.Tensor = model(torch.tensor([ids])).logits[0].float()
+    return logits
+
+
+def test_logit_bias_of_100_forces_its_token(engine):
+    forced = 77
+    result = run(engine, PROMPTS, n=3, max_tokens=6, temperature=1.0, seed=2, ignore_eos=True,
+                 logit_bias=((forced, 100.0),))
+    assert all(c.token_ids == [forced] * 6 for r in result for c in r.completions)
+
+
+def test_logit_bias_is_added_to_the_raw_logits_before_the_repetition_penalty(engine, reference_model):
+    """vLLM's order: bias, then penalties, then temperature; the logprob is the processed one."""
+    prompt, token, penalty, temperature = PROMPTS[0], PROMPTS[0][2], 1.7, 0.8
+    logits = reference_logits(reference_model, prompt)[-1]
+    bias = round(10.0 - logits[token].item(), 3)  # biased logit 10: positive, so the penalty divides it
+    got = run(engine, [prompt], max_tokens=1, temperature=temperature, seed=4, repetition_penalty=penalty,
+              logit_bias=((token, bias),), top_logprobs=20)[0].completions[0]
+    biased = logits.clone()
+    biased[token] += bias
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    seen[prompt] = True
+    penalised = torch.where(seen, torch.where(biased > 0, biased / penalty, biased * penalty), biased)
+    expected = torch.log_softmax(penalised / temperature, -1)
+    sampled = got.token_ids[0]
+    assert got.logprobs[0] == pytest.approx(expected[sampled].item(), abs=2e-4)
+    alternatives = dict(got.top_logprobs[0])
+    assert alternatives[token] == pytest.approx(expected[token].item(), abs=2e-4)
+    penalised_first = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    penalised_first[token] += bias
+    assert abs(torch.log_softmax(penalised_first / temperature, -1)[token].item() - alternatives[token]) > 0.1
+
+
+def test_allowed_token_ids_restrict_every_token_and_renormalise_over_them(engine, reference_model):
+    allowed = (10, 11, 12, 300)
+    result = run(engine, PROMPTS[:2], n=4, max_tokens=8, temperature=1.0, seed=6, allowed_token_ids=allowed)
+    for prompt_result in result:
+        for completion in prompt_result.completions:
+            assert set(completion.token_ids) <= set(allowed) and len(completion.token_ids) == 8
+            ids = prompt_result.prompt_token_ids + completion.token_ids
+            first = reference_logits(reference_model, ids)[len(prompt_result.prompt_token_ids) - 1]
+            expected = torch.log_softmax(first[list(allowed)], -1)[allowed.index(completion.token_ids[0])]
+            assert completion.logprobs[0] == pytest.approx(expected.item(), abs=2e-4)
+
+
+def test_constraints_that_exclude_every_token_are_refused(engine):
+    with pytest.raises(InvalidRequestError, match="no token can be generated"):
+        run(engine, PROMPTS[:1], max_tokens=4, allowed_token_ids=(10,), regex="[a-z]+")
+
+
+# ------------------------------------------------------------------------------- prompt logprobs
+
+
+def test_prompt_logprobs_are_the_raw_model_logprobs_of_each_prompt_token(engine, reference_model):
+    """As vLLM scores prompts: no temperature, position 0 empty, the prompt token first with its rank."""
+    top = 3
+    result = run(engine, PROMPTS, n=2, max_tokens=2, temperature=0.5, top_k=5, seed=1, prompt_logprobs=top)
+    for prompt_result in result:
+        prompt = prompt_result.prompt_token_ids
+        scored = prompt_result.prompt_logprobs
+        assert scored is not None and len(scored) == len(prompt) and scored[0] is None
+        expected = torch.log_softmax(reference_logits(reference_model, prompt), -1)
+        for position in range(1, len(prompt)):
+            entries = scored[position]
+            assert entries is not None
+            row = expected[position - 1]
+            actual = entries[0]
+            assert actual.token_id == prompt[position]
+            assert actual.logprob == pytest.approx(row[prompt[position]].item(), abs=1e-4)
+            assert actual.rank == int((row >= row[prompt[position]]).sum())
+            best = torch.topk(row, top)
+            alternatives = {e.token_id: e for e in entries}
+            assert set(best.indices.tolist()) <= set(alternatives)
+            for rank, (token, logprob) in enumerate(zip(best.indices.tolist(), best.values.tolist(), strict=True), 1):
+                assert alternatives[token].logprob == pytest.approx(logprob, abs=1e-4)
+                assert alternatives[token].rank == rank
+            assert len(entries) == top + (0 if prompt[position] in best.indices.tolist() else 1)
+
+
+def test_no_prompt_logprobs_unless_asked(engine):
+    assert all(r.prompt_logprobs is None for r in run(engine, PROMPTS, max_tokens=1))
+    only_the_token = run(engine, PROMPTS[:1], max_tokens=1, prompt_logprobs=0)[0].prompt_logprobs
+    assert only_the_token is not None and all(len(entries) == 1 for entries in only_the_token[1:])
+
+
+# ------------------------------------------------------------------------------ structured outputs
+
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+    "required": ["answer", "sure"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_guided_generation_follows_the_schema(engine):
+    import json
+
+    constraint = StructuredOutput("json", json.dumps(ANSWER_SCHEMA))
+    result = run(engine, PROMPTS[:2], n=4, max_tokens=96, seed=5, structured=constraint)
+    for completion in (c for r in result for c in r.completions):
+        assert completion.finish_reason == "stop", completion.text
+        value = json.loads(completion.text)
+        assert set(value) == {"answer", "sure"} and value["answer"] in ("yes", "no")
+        assert isinstance(value["sure"], bool)
+
+
+def test_json_object_guided_generation_gives_json_objects(engine):
+    import json
+
+    result = run(engine, PROMPTS, n=8, max_tokens=64, seed=11, structured=StructuredOutput("json_object"))
+    finished = [c for r in result for c in r.completions if c.finish_reason == "stop"]
+    assert len(finished) >= 4, "too few finished: raise max_tokens"
+    for completion in finished:  # strict JSON: no raw control characters inside strings
+        assert isinstance(json.loads(completion.text), dict), completion.text
+
+
+def test_choice_guided_generation_gives_one_of_the_choices(engine):
+    choices = ("alpha", "beta gamma", "d")
+    result = run(engine, PROMPTS, n=4, max_tokens=16, seed=3, structured=StructuredOutput("choice", choices=choices))
+    texts = [c.text for r in result for c in r.completions]
+    assert set(texts) <= set(choices) and len(set(texts)) > 1
+
+
+def test_grammar_is_refused_by_the_transformers_engine_naming_the_field(engine):
+    with pytest.raises(InvalidRequestError, match=r"structured_outputs\.grammar"):
+        run(engine, PROMPTS[:1], max_tokens=4, structured=StructuredOutput("grammar", 'root ::= "a"'))

@@ -57,21 +57,53 @@ def test_prompt_field_is_renamed_to_prompt(tmp_path: Path):
     assert ds.column_names == ["prompt"]
 
 
-def test_errors_name_the_file_and_the_field(tmp_path: Path):
+def test_errors_name_the_field_the_file_and_the_line(tmp_path: Path):
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"prompt": "ok"}\n{not json\n')
-    with pytest.raises(DatasetError, match=r"bad.jsonl line 2: not valid JSON"):
+    with pytest.raises(DatasetError, match=rf"^spec\.dataset: {bad_json} line 2: not valid JSON"):
         load(bad_json)
-    with pytest.raises(DatasetError, match=r"no column 'question' \(dataset.promptField\); columns: prompt, answer"):
+    with pytest.raises(DatasetError, match=r"^spec\.dataset\.promptField: .*p\.jsonl line 1 has no field 'question'; "
+                                           r"its fields: prompt, answer$"):
         load(write_jsonl(tmp_path / "p.jsonl", ROWS), prompt_field="question")
-    with pytest.raises(DatasetError, match=r"n.jsonl line 2: prompt must be a string or a list"):
+    with pytest.raises(DatasetError, match=r"^spec\.dataset\.promptField: .*n\.jsonl line 2: prompt must be a string"):
         load(write_jsonl(tmp_path / "n.jsonl", [{"prompt": "x"}, {"prompt": 3}]))
-    with pytest.raises(DatasetError, match=r"promptFormat is conversational but prompts are plain"):
+    with pytest.raises(DatasetError, match=r"^spec\.dataset\.promptFormat is conversational but the prompts of "
+                                           r".*p2\.jsonl are plain$"):
         load(write_jsonl(tmp_path / "p2.jsonl", ROWS), prompt_format="conversational")
-    with pytest.raises(DatasetError, match=r"dataset.path .* does not exist"):
+    with pytest.raises(DatasetError, match=r"^spec\.dataset\.path: .*missing\.jsonl does not exist$"):
         load(tmp_path / "missing.jsonl")
-    with pytest.raises(DatasetError, match=r"2 usable prompts, but one step needs 4"):
+    with pytest.raises(DatasetError, match=r"^spec\.dataset: .*p3\.jsonl has 2 usable prompts, but one step needs 4"):
         load(write_jsonl(tmp_path / "p3.jsonl", ROWS), min_rows=4)
+    with pytest.raises(DatasetError, match=r"^spec\.dataset\.format: cannot tell the format of .*p\.txt"):
+        load(write_jsonl(tmp_path / "p.txt", ROWS))
+
+
+def test_a_line_without_the_prompt_field_is_named_by_its_number(tmp_path: Path):
+    # Dataset.from_list takes its columns from the first row: a row missing the prompt must not slip through.
+    path = write_jsonl(tmp_path / "gap.jsonl", [ROWS[0], {"answer": "e"}, ROWS[1]])
+    with pytest.raises(DatasetError, match=r"gap\.jsonl line 2 has no field 'prompt'; its fields: answer$"):
+        load(path)
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"], ids=["no bytes", "blank lines"])
+def test_an_empty_jsonl_file_is_called_empty_not_missing_a_column(tmp_path: Path, content: str):
+    path = tmp_path / "empty.jsonl"
+    path.write_text(content)
+    with pytest.raises(DatasetError, match=rf"^spec\.dataset: {path} is empty: no rows to train on$"):
+        load(path)
+
+
+def test_a_parquet_file_without_rows_is_called_empty(tmp_path: Path):
+    Dataset.from_list(ROWS).select([]).to_parquet(str(tmp_path / "none.parquet"))
+    with pytest.raises(DatasetError, match=r"none\.parquet is empty: no rows to train on$"):
+        load(tmp_path / "none.parquet")
+
+
+def test_a_parquet_file_without_the_prompt_column_names_the_columns(tmp_path: Path):
+    Dataset.from_list(ROWS).to_parquet(str(tmp_path / "p.parquet"))
+    with pytest.raises(DatasetError, match=r"^spec\.dataset\.promptField: .*p\.parquet has no column 'question'; "
+                                           r"columns: prompt, answer$"):
+        load(tmp_path / "p.parquet", prompt_field="question")
 
 
 def test_prompts_longer_than_max_prompt_length_are_dropped(tmp_path: Path):

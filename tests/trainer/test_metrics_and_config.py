@@ -60,6 +60,16 @@ def test_spec_maps_onto_a_grpo_config_trl_accepts():
     assert lora_config_kwargs(s.trainer.lora)["target_modules"] == "all-linear"
 
 
+def test_structured_outputs_reach_trl_as_generation_kwargs():
+    plain = grpo_config_kwargs(spec(), output_dir="/tmp/ck", server_url="http://s:8000", reward_weights=[1.0],
+                               platform=CPU)
+    assert "generation_kwargs" not in plain
+    s = spec(structuredOutputs={"choice": ["yes", "no"]})
+    config = GRPOConfig(**grpo_config_kwargs(s, output_dir="/tmp/ck", server_url="http://s:8000",
+                                             reward_weights=[1.0], platform=CPU))
+    assert config.generation_kwargs == {"structured_outputs": {"choice": ["yes", "no"]}}
+
+
 def test_colocate_without_gpu_and_qlora_without_bitsandbytes_are_refused_clearly():
     colocate = GRPORunSpec.model_validate({**spec().model_dump(by_alias=True, exclude={"server"}),
                                            "mode": "colocate", "server": None})

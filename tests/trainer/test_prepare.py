@@ -462,7 +462,7 @@ def test_a_tokenizer_that_does_not_load_is_permanent(
     assert message.startswith(f"spec.model.source pvc://models/tiny: the tokenizer in {broken}"), message
 
 
-def test_an_empty_dataset_is_permanent_naming_spec_dataset(
+def test_an_empty_dataset_is_permanent_and_called_empty(
     tiny_model_dir: Path, tmp_path: Path, termination_log: Path,
 ) -> None:
     empty = tmp_path / "prompts.jsonl"
@@ -471,8 +471,48 @@ def test_an_empty_dataset_is_permanent_naming_spec_dataset(
                                                                    dataset_path=str(empty)))
     result = invoke(config)
     assert result.exit_code == EXIT_PERMANENT, result.output
-    assert final(result).message.startswith("spec.dataset: ")
-    assert "prompts.jsonl" in final(result).message
+    assert final(result).message == f"spec.dataset: {empty} is empty: no rows to train on"
+    assert latest_progress(termination_log.read_text()) == final(result).message
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("{not json", "spec.dataset: {path} line 3: not valid JSON: "),
+        ('["a", "list"]', "spec.dataset: {path} line 3: expected a JSON object, got list"),
+        ('{"question": "where is the prompt?"}',
+         "spec.dataset.promptField: {path} line 3 has no field 'prompt'; its fields: question"),
+        ('{"prompt": 42}', "spec.dataset.promptField: {path} line 3: prompt must be a string or a list of "
+                           "{{role, content}} messages, got int"),
+    ],
+    ids=["not json", "not an object", "no prompt field", "prompt not text"],
+)
+def test_a_broken_dataset_line_is_permanent_naming_the_file_and_line(
+    tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, termination_log: Path, line: str, expected: str,
+) -> None:
+    rows = tiny_dataset.read_text().splitlines()
+    broken = tmp_path / "prompts.jsonl"
+    broken.write_text("\n".join([*rows[:2], line, *rows[2:]]) + "\n")
+    config = write_config(tmp_path, spec_with(), ResolvedSources(model_dir=str(tiny_model_dir),
+                                                                   dataset_path=str(broken)))
+    result = invoke(config)
+    assert result.exit_code == EXIT_PERMANENT, result.output
+    failed = final(result)
+    assert failed.permanent is True
+    assert failed.message.startswith(expected.format(path=broken)), failed.message
+
+
+def test_a_dataset_without_the_named_prompt_column_is_permanent_naming_the_field(
+    tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, termination_log: Path,
+) -> None:
+    spec = {**spec_with(), "dataset": {"source": "pvc://data/prompts", "path": "prompts.jsonl",
+                                       "promptField": "question"}}
+    config = write_config(tmp_path, spec, ResolvedSources(model_dir=str(tiny_model_dir),
+                                                           dataset_path=str(tiny_dataset)))
+    result = invoke(config)
+    assert result.exit_code == EXIT_PERMANENT, result.output
+    assert final(result).message == (f"spec.dataset.promptField: {tiny_dataset} line 1 has no field 'question'; "
+                                     "its fields: prompt, answer")
 
 
 def test_a_missing_reward_module_is_permanent_naming_it(
@@ -487,8 +527,9 @@ def test_a_missing_reward_module_is_permanent_naming_it(
     result = invoke(config)
     assert result.exit_code == EXIT_PERMANENT, result.output
     message = final(result).message
-    assert message.startswith(f"spec.rewards[0]: cannot import module {module!r}")
-    assert str(rewards_dir) in message
+    assert message.startswith(f"spec.rewards[0].function '{module}:score': cannot import module {module!r}: no "
+                              f"such module in {rewards_dir}, ")
+    assert message.endswith(" or the installed packages")
 
 
 def test_a_missing_reward_function_is_permanent_naming_it(
@@ -503,7 +544,25 @@ def test_a_missing_reward_function_is_permanent_naming_it(
                                           reward_paths=[str(rewards_dir)]))
     result = invoke(config)
     assert result.exit_code == EXIT_PERMANENT, result.output
-    assert final(result).message == f"spec.rewards[1]: module {module!r} has no callable 'score'"
+    assert final(result).message == (f"spec.rewards[1].function '{module}:score': module {module!r} "
+                                     f"({rewards_dir / module}.py) has no callable 'score'; its functions: other")
+
+
+def test_a_reward_module_that_fails_to_import_is_permanent_naming_its_file_and_line(
+    tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, termination_log: Path,
+) -> None:
+    module = unique_module()
+    rewards_dir = tmp_path / "rewards"
+    rewards_dir.mkdir()
+    (rewards_dir / f"{module}.py").write_text("import math\n\nWEIGHTS = {'a': 1}['b']\n")
+    config = write_config(tmp_path, spec_with([{"function": f"{module}:score"}]),
+                          ResolvedSources(model_dir=str(tiny_model_dir), dataset_path=str(tiny_dataset),
+                                          reward_paths=[str(rewards_dir)]))
+    result = invoke(config)
+    assert result.exit_code == EXIT_PERMANENT, result.output
+    assert final(result).message == (f"spec.rewards[0].function '{module}:score': cannot import module {module!r}: "
+                                     f"KeyError: 'b' ({rewards_dir / module}.py line 3)")
+    assert latest_progress(termination_log.read_text()) == final(result).message
 
 
 def test_inline_reward_modules_are_written_and_importable(

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import pytest
 
 from grpo_api.models import RewardSpec
-from grpo_trainer.errors import RewardFunctionFailed
+from grpo_trainer.errors import InvalidSpec, RewardFunctionFailed
 from grpo_trainer.rewards import RewardConfigError, RewardContext, build_rewards
 
 CTX = RewardContext(max_completion_length=10, dataset_columns=("prompt", "answer"))
@@ -97,5 +98,50 @@ def test_async_user_functions_stay_async_for_trl(tmp_path: Path):
 
 
 def test_missing_module_is_refused_naming_the_reward(tmp_path: Path):
-    with pytest.raises(RewardConfigError, match=r"rewards\[0\]: cannot import module 'nowhere_to_be_found'"):
+    with pytest.raises(RewardConfigError, match=r"^spec\.rewards\[0\]\.function 'nowhere_to_be_found:f': cannot "
+                                                r"import module 'nowhere_to_be_found': no such module in "):
         build({"function": "nowhere_to_be_found:f"}, paths=[tmp_path])
+
+
+def unique_module() -> str:
+    return f"rewards_{uuid.uuid4().hex[:8]}"
+
+
+@pytest.mark.parametrize(
+    ("source", "error", "line"),
+    [
+        ("import math\n\nSCALE = undefined_name * 2\n", "NameError: name 'undefined_name' is not defined", 3),
+        ("def score(completions, **kw):\n    return [0.0 for c in completions\n", "SyntaxError: ", 2),
+        ("import math\nimport no_such_dependency_xyz\n", "ModuleNotFoundError: No module named "
+                                                       "'no_such_dependency_xyz'", 2),
+    ],
+    ids=["raises at import", "syntax error", "missing dependency"],
+)
+def test_a_module_that_fails_to_import_is_refused_naming_its_file_and_line(
+    tmp_path: Path, source: str, error: str, line: int
+):
+    module = unique_module()
+    (tmp_path / f"{module}.py").write_text(source)
+    with pytest.raises(RewardConfigError) as info:
+        build({"function": "exact_match"}, {"function": f"{module}:score"}, paths=[tmp_path])
+    message = str(info.value)
+    assert message.startswith(f"spec.rewards[1].function '{module}:score': cannot import module '{module}': {error}")
+    assert message.endswith(f"({tmp_path / module}.py line {line})"), message
+
+
+def test_a_missing_function_is_refused_naming_the_module_file_and_what_it_has(tmp_path: Path):
+    module = unique_module()
+    (tmp_path / f"{module}.py").write_text(
+        "THRESHOLD = 0.5\n\ndef share(completions, **kw):\n    return [0.0] * len(completions)\n"
+    )
+    with pytest.raises(RewardConfigError) as info:
+        build({"function": f"{module}:score"}, paths=[tmp_path])
+    assert str(info.value) == (f"spec.rewards[0].function '{module}:score': module '{module}' "
+                               f"({tmp_path / module}.py) has no callable 'score'; its functions: share")
+    with pytest.raises(RewardConfigError, match=r"has no callable 'THRESHOLD'"):
+        build({"function": f"{module}:THRESHOLD"}, paths=[tmp_path])
+
+
+def test_reward_config_errors_are_invalid_spec_and_call_failures_are_not():
+    assert issubclass(RewardConfigError, InvalidSpec)
+    assert not issubclass(RewardFunctionFailed, InvalidSpec)

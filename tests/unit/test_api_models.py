@@ -205,6 +205,19 @@ INVALID_SPECS: list[Invalid] = [
     Invalid("lm_head-in-targetModules", {"trainer": {"lora": {"targetModules": ["q_proj", "lm_head"]}}},
             "spec.trainer.lora.targetModules", "may not include lm_head",
             "spec.trainer.lora", "may not include ['lm_head']"),
+    # guided decoding of the rollouts
+    Invalid("structuredOutputs-two-kinds", {"trainer": {"structuredOutputs": {"regex": "yes|no", "choice": ["yes"]}}},
+            "spec.trainer.structuredOutputs", "exactly one of regex, jsonSchema or choice",
+            "spec.trainer.structuredOutputs", "exactly one of regex, jsonSchema or choice"),
+    Invalid("structuredOutputs-no-kind", {"trainer": {"structuredOutputs": {}}},
+            "spec.trainer.structuredOutputs", "exactly one of regex, jsonSchema or choice",
+            "spec.trainer.structuredOutputs", "exactly one of regex, jsonSchema or choice"),
+    Invalid("structuredOutputs-jsonSchema-not-an-object", {"trainer": {"structuredOutputs": {"jsonSchema": "x"}}},
+            "spec.trainer.structuredOutputs.jsonSchema", "must be of type object",
+            "spec.trainer.structuredOutputs.jsonSchema", "valid dictionary"),
+    Invalid("structuredOutputs-no-choices", {"trainer": {"structuredOutputs": {"choice": []}}},
+            "spec.trainer.structuredOutputs.choice", "should have at least 1 items",
+            "spec.trainer.structuredOutputs.choice", "at least 1 item"),
 ]
 
 
@@ -254,3 +267,24 @@ def test_model_is_wire_round_trippable() -> None:
     run = parse_grporun(run_with({"server": {}}), "run.yaml")
     again = parse_grporun(run.to_wire(), "again.yaml")
     assert again.to_wire() == run.to_wire()
+
+
+def test_structured_outputs_take_one_kind_and_give_vllms_params() -> None:
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
+    cases = [
+        ({"regex": "(yes|no)"}, {"regex": "(yes|no)"}),
+        ({"jsonSchema": schema}, {"json": schema}),
+        ({"choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
+    ]
+    for given, params in cases:
+        run = parse_grporun(run_with({"trainer": {"structuredOutputs": given}}), "run.yaml")
+        spec = run.spec.trainer.structured_outputs
+        assert spec is not None and spec.vllm_params() == params
+        assert run.to_wire()["spec"]["trainer"]["structuredOutputs"] == given  # round-trips camelCase
+    assert parse_grporun(valid_run(), "run.yaml").spec.trainer.structured_outputs is None
+
+
+def test_a_structured_outputs_regex_that_does_not_compile_is_refused() -> None:
+    """The API server cannot compile a regex (no CEL for it): the models refuse it before a run starts."""
+    message = refusal(run_with({"trainer": {"structuredOutputs": {"regex": "(unclosed"}}}))
+    assert "spec.trainer.structuredOutputs: " in message and "regex does not compile" in message

@@ -305,6 +305,19 @@ def test_trainer_job_never_retries_itself_and_knows_its_attempt() -> None:
     assert set(mounts_of(job)) == {"run-config", "data", "dshm", "token"}
 
 
+@pytest.mark.parametrize("mode", ["server", "colocate"])
+def test_trainer_job_fails_at_once_on_the_invalid_spec_exit_code(mode: str) -> None:
+    from grpo_api.exit_codes import EXIT_INVALID_SPEC
+
+    job = b.build_trainer_job(make_run(mode=mode), 1)
+    assert job["spec"]["podFailurePolicy"] == {"rules": [{
+        "action": "FailJob",
+        "onExitCodes": {"containerName": container(job)["name"], "operator": "In", "values": [EXIT_INVALID_SPEC]},
+    }]}
+    assert EXIT_INVALID_SPEC == 2
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never", "podFailurePolicy needs restartPolicy Never"
+
+
 def test_colocate_trainer_has_no_server_address_or_token() -> None:
     run = make_run(mode="colocate")
     job = b.build_trainer_job(run, 1)

@@ -364,6 +364,21 @@ CASES = [
         events=[("Warning", Reason.TRAINER_FAILED), ("Warning", Reason.BACKOFF_LIMIT_EXCEEDED)],
     ),
     Case(
+        "a trainer that failed on a configuration problem fails the run at once, with budget left",
+        status(Phase.TRAINING, 1, boot_id="boot-1", ready=True),
+        Observation(now=at(30), health=healthy("boot-1"), trainer=TrainerState.FAILED,
+                    trainer_failed_permanently=True,
+                    trainer_message="spec.dataset: /data/prompts.jsonl is empty: no rows to train on"),
+        spec=make_spec(backoffLimit=5),
+        phase=Phase.FAILED,
+        reason=Reason.INVALID_SPEC,
+        attempt=1,
+        failed_after=1,
+        actions=[EnsureServer(1, 1), StopServer()],
+        events=[("Warning", Reason.INVALID_SPEC)],
+        message_has="no retry fixes: spec.dataset: /data/prompts.jsonl is empty",
+    ),
+    Case(
         "the failure count, not the attempt number, meets the backoff limit (a suspended attempt is no failure)",
         status(Phase.TRAINING, 3, boot_id="boot-3", ready=True, failed=1),
         Observation(now=at(30), trainer=TrainerState.FAILED),
@@ -811,3 +826,20 @@ def test_invalid_spec_fails_the_run_once_with_a_warning() -> None:
     assert again.status == decision.status and again.actions == ()
     done = reject(status(Phase.SUCCEEDED, 1, completed=1, reason=Reason.COMPLETED), "late", at(9))
     assert done.status.phase == Phase.SUCCEEDED and done.actions == ()
+
+
+@pytest.mark.parametrize("mode", ["server", "colocate"])
+def test_a_permanent_trainer_failure_starts_no_other_attempt_now_or_later(mode: str) -> None:
+    spec = make_spec(mode, backoffLimit=5)
+    failed = Observation(now=at(30), trainer=TrainerState.FAILED, trainer_failed_permanently=True,
+                         trainer_message="spec.rewards[0].function 'mine:score': cannot import module 'mine'")
+    decision = decide(spec, status(Phase.TRAINING, 1, boot_id="boot-1", ready=mode == "server"), failed)
+    assert (decision.status.phase, decision.status.reason) == (Phase.FAILED, Reason.INVALID_SPEC)
+    assert "cannot import module 'mine'" in (decision.status.message or "")
+    failed_condition = get_condition(decision.status.conditions, "Failed")
+    assert failed_condition is not None and failed_condition.reason == Reason.INVALID_SPEC
+    later = decide(spec, decision.status, Observation(now=at(60), trainer=TrainerState.FAILED))
+    for step in (decision, later):
+        assert not [a for a in step.actions if isinstance(a, CreateTrainer | Provision | CreateInitializer)]
+        assert all(a.attempt == 1 for a in step.of_type(EnsureServer))
+    assert later.status.attempt == 1 and later.status.failed_attempts == 1

@@ -9,15 +9,42 @@ the logprob of each sampled token after temperature/top-k/top-p/min-p processing
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
+
+from grpo_server.errors import ServerError
 
 FinishReason = Literal["stop", "length"]
+
+#: Kinds of structured output (guided decoding), by vLLM's `StructuredOutputsParams` names.
+StructuredKind = Literal["regex", "json", "json_object", "choice", "grammar"]
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """One structured-output constraint: what the completion text must match."""
+
+    kind: StructuredKind
+    #: The regex or grammar text, or the JSON schema as JSON text ("" for json_object and choice).
+    spec: str = ""
+    choices: tuple[str, ...] = ()  # kind choice: the completion is exactly one of these
+
+    def schema(self) -> dict[str, object]:
+        """The JSON schema of a `json` constraint."""
+        loaded = json.loads(self.spec)
+        assert isinstance(loaded, dict)
+        return loaded
 
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    """Sampling parameters of one request, with vLLM's meanings."""
+    """Sampling parameters of one request, with vLLM's meanings.
+
+    Logits are processed in vLLM's order: the structured-output mask, then
+    allowed_token_ids, min_tokens, logit_bias, the penalties, temperature, min-p,
+    top-k and top-p.
+    """
 
     n: int = 1
     temperature: float = 1.0
@@ -36,11 +63,30 @@ class SamplingOptions:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     top_logprobs: int = 0  # alternatives per position besides the sampled token
+    #: Added to the raw logits of these token ids (sorted (token id, bias) pairs, bias in [-100, 100]).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    #: Only these token ids may be sampled; None: any.
+    allowed_token_ids: tuple[int, ...] | None = None
+    #: Logprobs of each prompt token given its prefix, with this many alternatives; None: not asked.
+    prompt_logprobs: int | None = None
+    #: Structured output: a regex here (TRL's one kind), any other kind in `structured`.
     regex: str | None = None
+    structured: StructuredOutput | None = None
+
+    def __post_init__(self) -> None:
+        if self.structured is not None and (self.regex is not None or self.structured.kind == "regex"):
+            raise ValueError("a regex goes in SamplingOptions.regex, other kinds in .structured; one at most")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def structured_output(self) -> StructuredOutput | None:
+        """The structured-output constraint, whichever field carries it."""
+        if self.regex is not None:
+            return StructuredOutput("regex", self.regex)
+        return self.structured
 
 
 @dataclass(frozen=True)
@@ -56,12 +102,27 @@ class Completion:
     stop_reason: int | str | None = None
 
 
+class RankedLogprob(NamedTuple):
+    """A token's logprob at one prompt position and its rank there (1: the most likely token)."""
+
+    token_id: int
+    logprob: float
+    rank: int | None
+
+
+#: Per prompt position, vLLM's layout: None at position 0 (no prefix), then the prompt token first and
+#: the top alternatives after it (the prompt token once, even when it is among them).
+PromptLogprobs = list[list[RankedLogprob] | None]
+
+
 @dataclass(frozen=True)
 class PromptResult:
     """The n completions of one prompt."""
 
     prompt_token_ids: list[int]
     completions: list[Completion] = field(default_factory=list)
+    #: The raw model's logprobs of the prompt tokens, when the request asked for them.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -73,12 +134,22 @@ class AdapterHandle:
     path: str
 
 
-class EngineError(RuntimeError):
-    """The engine failed to serve a request that was valid."""
+class EngineError(ServerError):
+    """The engine failed to serve a request that was valid (503)."""
+
+    default_status = 503
+    default_error = "engine_error"
 
 
-class InvalidRequestError(ValueError):
-    """The engine refused a request's parameters (mapped to a 400)."""
+class InvalidRequestError(ServerError):
+    """The engine refused a request's parameters (400)."""
+
+    default_status = 400
+    default_error = "invalid_request"
+
+
+class GenerationAborted(Exception):
+    """A generation stopped because its request was cancelled (the client left); nobody receives it."""
 
 
 class AdapterLoadError(RuntimeError):
@@ -107,7 +178,10 @@ class Engine(Protocol):
     async def generate(
         self, prompts: list[list[int]], options: SamplingOptions, adapter: AdapterHandle | None
     ) -> list[PromptResult]:
-        """n completions per prompt, prompt-major, on `adapter` (None: the base model)."""
+        """n completions per prompt, prompt-major, on `adapter` (None: the base model).
+
+        Cancelling the awaiting task aborts the generation in the engine (the client left).
+        """
 
     async def add_adapter(self, adapter: AdapterHandle) -> None:
         """Load an adapter so later requests can use it; raises AdapterLoadError."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol
 
-from grpo_server.engines.base import SamplingOptions
+from grpo_server.engines.base import PromptLogprobs, RankedLogprob, SamplingOptions
 
 
 class FlatLogprobsLike(Protocol):
@@ -55,9 +55,10 @@ def rescore_equals_sampler(options: SamplingOptions) -> bool:
     """True when vLLM's processed logprobs of a sample equal the model's own log-softmax.
 
     Temperature 1 with no top-k/top-p/min-p truncation, no penalties, no min_tokens (EOS
-    masking) and no structured output leaves the logits untouched before sampling, so the
-    logprob of a sampled token can be computed afterwards in a prefill pass over prompt +
-    completion. Alternatives (top_logprobs > 0) still come from the sampler.
+    masking), no logit_bias or allowed_token_ids and no structured output leaves the logits
+    untouched before sampling, so the logprob of a sampled token can be computed afterwards
+    in a prefill pass over prompt + completion. Alternatives (top_logprobs > 0) still come
+    from the sampler.
     """
     return (
         options.top_logprobs == 0
@@ -69,8 +70,38 @@ def rescore_equals_sampler(options: SamplingOptions) -> bool:
         and options.frequency_penalty == 0.0
         and options.presence_penalty == 0.0
         and options.min_tokens == 0
-        and options.regex is None
+        and not options.logit_bias
+        and options.allowed_token_ids is None
+        and options.structured_output is None
     )
+
+
+def prompt_logprobs(flat: Any, prompt: list[int]) -> PromptLogprobs:
+    """`RequestOutput.prompt_logprobs` (flat) as per-position ranked entries, vLLM's dict order kept.
+
+    Position 0 is empty (None); at each other position vLLM put the prompt token first (with its
+    rank), then the top-k by rank 1..k, where the prompt token may appear a second time: as in
+    vLLM's dict, it keeps the first place and takes the later entry. Raises ValueError when the
+    container is not flat, does not cover the prompt, or names another token first.
+    """
+    if flat is None or not hasattr(flat, "start_indices"):
+        raise ValueError(f"expected flat prompt logprobs, got {type(flat).__name__}")
+    starts, ends = flat.start_indices, flat.end_indices
+    if len(starts) != len(prompt):
+        raise ValueError(f"prompt logprobs cover {len(starts)} positions, the prompt has {len(prompt)} tokens")
+    ids, values, ranks = flat.token_ids, flat.logprobs, flat.ranks
+    out: PromptLogprobs = [None]
+    for position in range(1, len(prompt)):
+        start, end = starts[position], ends[position]
+        if end <= start or int(ids[start]) != prompt[position]:
+            found = int(ids[start]) if end > start else None
+            raise ValueError(f"prompt logprobs at position {position} are for token {found}, not {prompt[position]}")
+        entries: dict[int, RankedLogprob] = {}
+        for i in range(start, end):
+            token, rank = int(ids[i]), ranks[i]
+            entries[token] = RankedLogprob(token, float(values[i]), None if rank is None else int(rank))
+        out.append(list(entries.values()))
+    return out
 
 
 def completion_logprobs(flat: Any, prompt_len: int, completion: list[int]) -> list[float]:

@@ -3,20 +3,26 @@
 Used by tests, CI and the CPU demo. It samples with its own loop over the model's
 forward pass (KV cache, left padding) so that it can return, per sampled token,
 the logprob after the same processing vLLM applies with
-`logprobs_mode="processed_logprobs"`: penalties, then temperature, min-p, top-k and
-top-p, renormalised. LoRA adapters are PEFT adapters loaded into the model under
-their version name (transformers' PEFT integration); the active one is switched
-per request. All model access runs on one worker thread (see `serial.py`).
+`logprobs_mode="processed_logprobs"`, in vLLM's order: the structured-output mask,
+allowed_token_ids, min_tokens, logit_bias, the penalties, then temperature, min-p,
+top-k and top-p, renormalised. Prompt logprobs are the raw log-softmax of the first
+forward pass, as vLLM computes them. Structured outputs use lm-format-enforcer (one of
+vLLM's own backends) for regex, JSON schema, JSON object and choice. LoRA adapters are
+PEFT adapters loaded into the model under their version name (transformers' PEFT
+integration); the active one is switched per request. All model access runs on one
+worker thread (see `serial.py`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
+import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, assert_never
 
 import torch
 
@@ -25,14 +31,18 @@ from grpo_server.engines.base import (
     AdapterLoadError,
     Completion,
     FinishReason,
+    GenerationAborted,
     InvalidRequestError,
+    PromptLogprobs,
     PromptResult,
+    RankedLogprob,
     SamplingOptions,
+    StructuredOutput,
 )
 from grpo_server.engines.serial import PRIORITY_ADAPTER, PRIORITY_GENERATE, SerialWorker
 
 if TYPE_CHECKING:
-    from lmformatenforcer import TokenEnforcer, TokenEnforcerTokenizerData
+    from lmformatenforcer import CharacterLevelParser, TokenEnforcer, TokenEnforcerTokenizerData
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
@@ -52,6 +62,7 @@ class _Row:
     stop_reason: int | str | None = None
     text_end: int | None = None  # character offset where a stop string cut the text
     enforcer: TokenEnforcer | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class TransformersEngine:
@@ -80,7 +91,7 @@ class TransformersEngine:
         self._eos_ids: frozenset[int] = frozenset()
         self._max_model_len = 0
         self._adapters: set[str] = set()
-        self._enforcer_data: TokenEnforcerTokenizerData | None = None
+        self._enforcer_data: dict[bool, TokenEnforcerTokenizerData] = {}  # for JSON or not
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -190,31 +201,56 @@ class TransformersEngine:
         self, prompts: list[list[int]], options: SamplingOptions, adapter: AdapterHandle | None
     ) -> list[PromptResult]:
         assert self._worker is not None
-        if options.top_logprobs > self._max_top_logprobs:
+        for name, asked in (("logprobs", options.top_logprobs), ("prompt_logprobs", options.prompt_logprobs or 0)):
+            if asked > self._max_top_logprobs:
+                raise InvalidRequestError(
+                    f"{name}: at most {self._max_top_logprobs} alternatives per token, got {asked}"
+                )
+        structured = options.structured_output
+        if structured is not None and structured.kind == "grammar":
             raise InvalidRequestError(
-                f"logprobs: at most {self._max_top_logprobs} alternatives per token, got {options.top_logprobs}"
+                "structured_outputs.grammar: grammars need the vllm engine (lm-format-enforcer, which the "
+                "transformers engine uses, has no grammar support)"
             )
-        return await self._worker.call(lambda: self._generate(prompts, options, adapter), PRIORITY_GENERATE)
+        aborted = threading.Event()
+        try:
+            return await self._worker.call(
+                lambda: self._generate(prompts, options, adapter, aborted), PRIORITY_GENERATE
+            )
+        except asyncio.CancelledError:  # the client left: a queued call never starts, a running one stops
+            aborted.set()
+            raise
 
     def _generate(
-        self, prompts: list[list[int]], options: SamplingOptions, adapter: AdapterHandle | None
+        self,
+        prompts: list[list[int]],
+        options: SamplingOptions,
+        adapter: AdapterHandle | None,
+        aborted: threading.Event,
     ) -> list[PromptResult]:
         assert self._model is not None
         self._activate(adapter)
         rows = [_Row(prompt=list(p)) for p in prompts for _ in range(options.n)]
-        if options.regex is not None:
-            self._attach_enforcers(rows, options.regex)
+        if options.structured_output is not None:
+            self._attach_enforcers(rows, options.structured_output)
         generator = torch.Generator(device=self._device)
         generator.manual_seed(options.seed if options.seed is not None else secrets.randbits(63))
         with torch.inference_mode():
-            self._sample(rows, options, generator)
+            try:
+                self._sample(rows, options, generator, aborted)
+            except GenerationAborted as exc:
+                log.info("generation %s (%d sequences)", exc, len(rows))
+                raise
         results = []
         for i, prompt in enumerate(prompts):
             chunk = rows[i * options.n : (i + 1) * options.n]
-            results.append(PromptResult(list(prompt), [self._completion(r, options) for r in chunk]))
+            completions = [self._completion(r, options) for r in chunk]
+            results.append(PromptResult(list(prompt), completions, prompt_logprobs=chunk[0].prompt_logprobs))
         return results
 
-    def _sample(self, rows: list[_Row], options: SamplingOptions, generator: torch.Generator) -> None:
+    def _sample(
+        self, rows: list[_Row], options: SamplingOptions, generator: torch.Generator, aborted: threading.Event
+    ) -> None:
         assert self._model is not None
         from transformers import DynamicCache
 
@@ -233,9 +269,20 @@ class TransformersEngine:
             seen[b, row.prompt] = True
         counts = torch.zeros((batch, vocab), dtype=torch.float32, device=device)
         blocked_early = sorted(set(options.stop_token_ids) | (set() if options.ignore_eos else self._eos_ids))
+        disallowed = None
+        if options.allowed_token_ids is not None:
+            disallowed = torch.ones(vocab, dtype=torch.bool, device=device)
+            disallowed[list(options.allowed_token_ids)] = False
+        bias = torch.zeros(vocab, dtype=torch.float32, device=device) if options.logit_bias else None
+        if bias is not None:
+            bias[[token for token, _ in options.logit_bias]] = torch.tensor(
+                [value for _, value in options.logit_bias], device=device
+            )
         cache = DynamicCache()
         step_ids, step_positions = input_ids, positions
         for step in range(options.max_tokens):
+            if aborted.is_set():
+                raise GenerationAborted(f"aborted after {step} of at most {options.max_tokens} tokens")
             out = self._model(
                 input_ids=step_ids,
                 attention_mask=attention,
@@ -244,11 +291,24 @@ class TransformersEngine:
                 use_cache=True,
             )
             cache = out.past_key_values
+            if step == 0 and options.prompt_logprobs is not None:
+                for b in range(0, batch, options.n):  # the n rows of a prompt share its prompt logprobs
+                    prompt = rows[b].prompt
+                    rows[b].prompt_logprobs = self._prompt_logprobs(
+                        out.logits[b, width - len(prompt) :], prompt, options.prompt_logprobs
+                    )
             logits = out.logits[:, -1, :].float()
+            # vLLM's order: the structured-output bitmask (model runner), then the sampler's
+            # allowed_token_ids, min_tokens and logit_bias, all before the penalties
+            self._mask_by_enforcers(rows, logits, options.structured_output)
+            if disallowed is not None:
+                logits.masked_fill_(disallowed, float("-inf"))
             if step < options.min_tokens and blocked_early:
                 logits[:, blocked_early] = float("-inf")
-            self._mask_by_enforcers(rows, logits, self._eos_ids)
+            if bias is not None:
+                logits += bias
             scores = self._process(logits, options, seen, counts)
+            self._check_samplable(rows, scores, step)
             logprobs = torch.log_softmax(scores, dim=-1)
             if options.greedy:
                 next_ids = scores.argmax(dim=-1)
@@ -276,6 +336,39 @@ class TransformersEngine:
         for row in rows:
             if row.finish_reason is None:
                 row.finish_reason = "length"
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, prompt: list[int], top: int) -> PromptLogprobs:
+        """vLLM's prompt logprobs of one prompt from its logits (one row per prompt token).
+
+        Raw log-softmax (no temperature or other processing, as vLLM scores prompts); the rank of
+        a token counts the tokens at least as likely, itself included, as vLLM counts it, or is its
+        place among the top alternatives when it is one of them (vLLM's dict keeps that entry).
+        """
+        logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)  # row j scores prompt[j + 1]
+        targets = torch.tensor(prompt[1:], device=logits.device)
+        chosen = logprobs.gather(1, targets.unsqueeze(1))
+        ranks = (logprobs >= chosen).sum(dim=1).tolist()
+        chosen_list = chosen.squeeze(1).tolist()
+        best = torch.topk(logprobs, top, dim=-1) if top else None
+        out: PromptLogprobs = [None]
+        for j, token in enumerate(prompt[1:]):
+            entries = {token: RankedLogprob(token, chosen_list[j], int(ranks[j]))}
+            if best is not None:
+                for rank, (t, lp) in enumerate(zip(best.indices[j].tolist(), best.values[j].tolist(), strict=True), 1):
+                    entries[t] = RankedLogprob(t, lp, rank)
+            out.append(list(entries.values()))
+        return out
+
+    @staticmethod
+    def _check_samplable(rows: list[_Row], scores: torch.Tensor, step: int) -> None:
+        """A row whose every token is masked cannot be sampled: the request's constraints contradict."""
+        dead = torch.isneginf(scores).all(dim=-1).tolist()
+        if any(d and row.finish_reason is None for d, row in zip(dead, rows, strict=True)):
+            raise InvalidRequestError(
+                f"no token can be generated at position {step}: allowed_token_ids, min_tokens, stop and "
+                "structured outputs exclude every token"
+            )
 
     @staticmethod
     def _rank_sorted(
@@ -357,21 +450,48 @@ class TransformersEngine:
 
     # ------------------------------------------------------------------ guided decoding
 
-    def _attach_enforcers(self, rows: list[_Row], regex: str) -> None:
-        from lmformatenforcer import RegexParser, TokenEnforcer
+    def _attach_enforcers(self, rows: list[_Row], constraint: StructuredOutput) -> None:
+        from lmformatenforcer import TokenEnforcer
 
-        try:
-            parser = RegexParser(regex)
-        except Exception as exc:
-            raise InvalidRequestError(f"structured_outputs.regex is not a supported regex: {exc}") from exc
-        data = self._enforcer_tokenizer_data()
+        parser = self._parser(constraint)
+        data = self._enforcer_tokenizer_data(for_json=constraint.kind in ("json", "json_object"))
         for row in rows:
             row.enforcer = TokenEnforcer(data, parser)
             row.enforcer.get_allowed_tokens(row.prompt)  # the first call marks the prompt as the root
 
-    def _enforcer_tokenizer_data(self) -> TokenEnforcerTokenizerData:
-        """lm-format-enforcer's token table (its transformers integration does not import on transformers 5)."""
-        if self._enforcer_data is None:
+    @staticmethod
+    def _parser(constraint: StructuredOutput) -> CharacterLevelParser:
+        """lm-format-enforcer's parser for a constraint, as vLLM's lm-format-enforcer backend builds it."""
+        from lmformatenforcer import JsonSchemaParser, RegexParser, StringParser, UnionParser
+
+        try:
+            match constraint.kind:
+                case "regex":
+                    return RegexParser(constraint.spec)
+                case "json":
+                    return JsonSchemaParser(constraint.schema())
+                case "json_object":  # vLLM's backends: an object, not any JSON value
+                    return JsonSchemaParser({"type": "object"})
+                case "choice":
+                    return UnionParser([StringParser(choice) for choice in constraint.choices])
+                case "grammar":
+                    raise ValueError("grammars need the vllm engine")
+                case _:
+                    assert_never(constraint.kind)
+        except Exception as exc:
+            raise InvalidRequestError(
+                f"structured_outputs.{constraint.kind} is not supported: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _enforcer_tokenizer_data(self, for_json: bool) -> TokenEnforcerTokenizerData:
+        """lm-format-enforcer's token table (its transformers integration does not import on transformers 5).
+
+        Left out: pieces of multi-byte characters (the parser would take one for a character of its
+        own, and lose track when the whole character decodes differently) and, for JSON, tokens with
+        control characters other than newlines, which a JSON string may not hold raw and which
+        lm-format-enforcer's string check lets through (newlines it checks itself).
+        """
+        if for_json not in self._enforcer_data:
             from lmformatenforcer import TokenEnforcerTokenizerData
 
             tok = self._tokenizer
@@ -383,22 +503,31 @@ class TransformersEngine:
                     continue
                 # decoding after an anchor token reveals a leading space that decoding alone may strip
                 after_anchor = tok.decode([anchor, token_id])[1:]
+                if "\ufffd" in after_anchor or (for_json and any(c < " " and c not in "\n\r" for c in after_anchor)):
+                    continue
                 alone = tok.decode([token_id])
                 regular.append((token_id, after_anchor, len(after_anchor) > len(alone)))
             eos = sorted(self._eos_ids)
-            self._enforcer_data = TokenEnforcerTokenizerData(
+            self._enforcer_data[for_json] = TokenEnforcerTokenizerData(
                 regular, lambda ids: self._decode(ids).rstrip("\ufffd"), eos, False, len(tok)
             )
-        return self._enforcer_data
+        return self._enforcer_data[for_json]
 
     @staticmethod
-    def _mask_by_enforcers(rows: list[_Row], logits: torch.Tensor, eos_ids: frozenset[int]) -> None:
+    def _mask_by_enforcers(rows: list[_Row], logits: torch.Tensor, constraint: StructuredOutput | None) -> None:
+        """Mask what the constraint forbids next. lm-format-enforcer allows EOS once the text is complete,
+        and only EOS at a dead end it cannot continue from (it logs that), as in vLLM's backend of it."""
+        if constraint is None:
+            return
+        from lmformatenforcer import LMFormatEnforcerException
+
         for b, row in enumerate(rows):
             if row.enforcer is None or row.finish_reason is not None:
                 continue
-            allowed = row.enforcer.get_allowed_tokens(row.prompt + row.tokens).allowed_tokens
-            if not allowed:  # the regex admits nothing more: only ending is possible
-                allowed = sorted(eos_ids)
+            try:
+                allowed = row.enforcer.get_allowed_tokens(row.prompt + row.tokens).allowed_tokens
+            except LMFormatEnforcerException as exc:
+                raise InvalidRequestError(f"structured_outputs.{constraint.kind}: {exc}") from exc
             mask = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
             mask[allowed] = False
             logits[b].masked_fill_(mask, float("-inf"))

@@ -29,7 +29,7 @@ import logging
 import os
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, assert_never
 
 from vllm import SamplingParams, TokensPrompt
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -48,8 +48,14 @@ from grpo_server.engines.base import (
     InvalidRequestError,
     PromptResult,
     SamplingOptions,
+    StructuredOutput,
 )
-from grpo_server.engines.logprobs import completion_logprobs, rescore_equals_sampler, sampled_logprobs
+from grpo_server.engines.logprobs import (
+    completion_logprobs,
+    prompt_logprobs,
+    rescore_equals_sampler,
+    sampled_logprobs,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -174,7 +180,7 @@ class VllmEngine:
         if not params.detokenize:
             self._decode_texts(results, options.skip_special_tokens)
         if repeat > 1:
-            results = [PromptResult(r.prompt_token_ids, r.completions * repeat) for r in results]
+            results = [dataclasses.replace(r, completions=r.completions * repeat) for r in results]
         return results
 
     def _rescores(self, prompts: list[list[int]], options: SamplingOptions) -> bool:
@@ -202,7 +208,7 @@ class VllmEngine:
                 ]
         except ExceptionGroup as group_error:
             raise _as_engine_error(group_error.exceptions[0]) from group_error
-        scored = [PromptResult(r.prompt_token_ids, list(r.completions)) for r in results]
+        scored = [dataclasses.replace(r, completions=list(r.completions)) for r in results]
         for (r, c), task in zip(jobs, tasks, strict=True):
             completion = scored[r].completions[c]
             try:
@@ -246,15 +252,22 @@ class VllmEngine:
     ) -> PromptResult:
         final = await self._final(ids, params, request_id, lora)
         completions = [_completion(c) for c in sorted(final.outputs, key=lambda c: c.index)]
-        return PromptResult(list(final.prompt_token_ids or ids), completions)
+        prompt = list(final.prompt_token_ids or ids)
+        scored_prompt = None
+        if params.prompt_logprobs is not None:
+            try:
+                scored_prompt = prompt_logprobs(final.prompt_logprobs, prompt)
+            except ValueError as exc:
+                raise EngineError(f"prompt logprobs: {exc}") from exc
+        return PromptResult(prompt, completions, prompt_logprobs=scored_prompt)
 
 
 def sampling_params(options: SamplingOptions, *, logprobs: bool = True) -> SamplingParams:
     """vLLM SamplingParams for one request: flat logprobs, and no detokenization unless stop strings need it.
 
-    `logprobs=False` asks for none (the completions are scored afterwards).
+    `logprobs=False` asks for none (the completions are scored afterwards). Structured outputs go to
+    vLLM's own backends (xgrammar, guidance, outlines or lm-format-enforcer, as the engine chooses).
     """
-    structured = StructuredOutputsParams(regex=options.regex) if options.regex is not None else None
     try:
         return SamplingParams(
             n=options.n,
@@ -274,13 +287,35 @@ def sampling_params(options: SamplingOptions, *, logprobs: bool = True) -> Sampl
             ignore_eos=options.ignore_eos,
             skip_special_tokens=options.skip_special_tokens,
             logprobs=options.top_logprobs if logprobs else None,
+            prompt_logprobs=options.prompt_logprobs,
             flat_logprobs=True,
             detokenize=bool(options.stop),  # stop strings are matched on vLLM's incremental text
-            structured_outputs=structured,
+            logit_bias=dict(options.logit_bias) or None,
+            allowed_token_ids=list(options.allowed_token_ids) if options.allowed_token_ids is not None else None,
+            structured_outputs=structured_outputs_params(options.structured_output),
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from exc
+
+
+def structured_outputs_params(constraint: StructuredOutput | None) -> StructuredOutputsParams | None:
+    """vLLM's StructuredOutputsParams for one constraint (exactly one kind set, as vLLM requires)."""
+    if constraint is None:
+        return None
+    match constraint.kind:
+        case "regex":
+            return StructuredOutputsParams(regex=constraint.spec)
+        case "json":
+            return StructuredOutputsParams(json=constraint.schema())
+        case "json_object":
+            return StructuredOutputsParams(json_object=True)
+        case "choice":
+            return StructuredOutputsParams(choice=list(constraint.choices))
+        case "grammar":
+            return StructuredOutputsParams(grammar=constraint.spec)
+        case _:
+            assert_never(constraint.kind)
 
 
 def _as_engine_error(exc: BaseException) -> Exception:

@@ -1,0 +1,140 @@
+"""Every endpoint, every field, malformed values of every JSON type: never a 5xx, always the JSON error body.
+
+A real server (transformers engine, tiny model) over HTTP. Each request starts from a valid body and
+replaces one field (or one key of a nested object) with one odd value: wrong types, huge and negative
+numbers, non-finite numbers, NUL bytes and lone surrogates, very long strings, deep nesting. The
+fields come from the request models themselves, so a field added later is swept too.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from pydantic import BaseModel
+
+from grpo_api.protocol import ErrorResponse, SetAdapterRequest
+from grpo_server.fields import GENERATION_KWARGS
+from grpo_server.schemas import ChatRequest, CompletionRequest, GenerateRequest
+from tests.fixtures.server import RunningServer
+
+#: Raw JSON texts: one odd value of each kind (non-finite numbers are not standard JSON, but
+#: Python's parser accepts them, so a server built on it must survive them).
+ODD_VALUES: tuple[str, ...] = (
+    "null", "true", "-1", "0", "1e400", "-1e400", "NaN", "Infinity", "-Infinity", "0.5",
+    str(2**80), str(-(2**80)), "1" + "0" * 4400,  # above Python's int-parsing digit limit
+    '""', json.dumps("x" * 20_000), '"\\u0000"', '"\\udc80"', '"../../etc/passwd"', '"policy-v99999999999999999999"',
+    "[]", "[null]", "[-1]", f"[{2**80}]", "[[]]", f"[[{2**64}]]", '["x"]', "[1.5]", "{}", '{"a": {"b": [1]}}',
+    '{"-1": -100, "x": "y"}', "[" * 200 + "]" * 200,
+)
+
+ENDPOINTS: dict[str, tuple[type[BaseModel], dict[str, Any]]] = {
+    "/generate/": (GenerateRequest, {"prompts": [[5, 6, 7]], "max_tokens": 2}),
+    "/v1/completions": (CompletionRequest, {"prompt": [[5, 6, 7]], "max_tokens": 2}),
+    "/v1/chat/completions": (ChatRequest, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    "/set_lora_adapter/": (SetAdapterRequest, {"path": "test/v1", "version": 1, "sha256": "0" * 64}),
+}
+
+#: Nested objects whose keys are swept too: (field, keys).
+NESTED: dict[str, list[str]] = {
+    "generation_kwargs": sorted(GENERATION_KWARGS),
+    "structured_outputs": ["regex", "json", "choice", "grammar"],
+    "logit_bias": ["5", "-1", "99999999"],
+    "response_format": ["type", "json_schema"],
+    "chat_template_kwargs": ["x"],
+}
+
+
+def bodies(model: type[BaseModel], valid: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """(label, raw JSON body): the valid body with one field or nested key replaced by each odd value."""
+    base = json.dumps(valid)
+    for field in sorted(model.model_fields):
+        alias = model.model_fields[field].alias or field
+        for value in ODD_VALUES:
+            rest = {k: v for k, v in valid.items() if k != alias}
+            yield f"{alias}={value[:40]}", _with(rest, alias, value)
+        for key in NESTED.get(alias, []):
+            for value in ODD_VALUES:
+                yield f"{alias}.{key}={value[:40]}", _with(valid, alias, "{" + json.dumps(key) + ": " + value + "}")
+    yield "messages[0].content odd", base.replace('"hi"', '"\\udc80\\u0000"')
+    yield "messages[0] not an object", base.replace('{"role": "user", "content": "hi"}', '"hi"')
+
+
+def _with(body: dict[str, Any], key: str, raw_value: str) -> str:
+    text = json.dumps(body)
+    return text[:-1] + (", " if body else "") + json.dumps(key) + ": " + raw_value + "}"
+
+
+RAW_BODIES: tuple[tuple[str, bytes], ...] = (
+    ("empty", b""),
+    ("null", b"null"),
+    ("array", b"[]"),
+    ("string", b'"x"'),
+    ("truncated", b'{"prompt": [1, 2'),
+    ("not utf-8", b'{"prompt": "\xff\xfe"}'),
+    ("deep nesting", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    ("huge integer", b'{"prompt": [' + b"9" * 10_000 + b"]}"),
+    ("duplicate keys", b'{"prompt": [[5]], "prompt": "x", "max_tokens": 1}'),
+)
+
+
+def check(response: httpx.Response | Exception, label: str, problems: list[str]) -> None:
+    if isinstance(response, Exception):
+        problems.append(f"{label}: {type(response).__name__}: {response}")
+        return
+    if response.status_code >= 500:
+        problems.append(f"{label}: {response.status_code} {response.text[:200]}")
+        return
+    if response.status_code >= 400:
+        try:
+            ErrorResponse.model_validate(response.json())
+        except ValueError:
+            problems.append(f"{label}: {response.status_code} without the JSON error body: {response.text[:200]}")
+
+
+def send(client: httpx.Client, path: str, body: bytes) -> httpx.Response | Exception:
+    try:
+        return client.post(path, content=body)
+    except httpx.HTTPError as exc:  # a dropped connection is a failure too
+        return exc
+
+
+@pytest.mark.parametrize("path", sorted(ENDPOINTS))
+def test_no_malformed_field_value_gets_a_5xx(tiny_server: RunningServer, path: str) -> None:
+    model, valid = ENDPOINTS[path]
+    problems: list[str] = []
+    count = 0
+    with httpx.Client(base_url=tiny_server.url, headers={**tiny_server.auth, "Content-Type": "application/json"},
+                      timeout=120) as client:
+        for label, body in bodies(model, valid):
+            check(send(client, path, body.encode("utf-8", "surrogatepass")), label, problems)
+            count += 1
+        for label, raw in RAW_BODIES:
+            check(send(client, path, raw), f"raw {label}", problems)
+    assert count > 100, count
+    assert not problems, f"{len(problems)} of {count} requests:\n" + "\n".join(problems[:40])
+    assert tiny_server.health()["_status_code"] == 200
+
+
+ODD_PATHS = ("/generate", "/v1/completions/", "/v1/completions/%00", "/v1/%ff%fe", "/" + "a" * 10_000,
+             "/health/..%2f..%2fetc", "/set_lora_adapter/%00")
+
+
+def test_odd_paths_methods_and_queries_get_4xx_json(tiny_server: RunningServer) -> None:
+    problems: list[str] = []
+    with httpx.Client(base_url=tiny_server.url, headers=tiny_server.auth, timeout=60) as client:
+        for path in ODD_PATHS:
+            check(client.post(path, json={}), f"POST {path[:40]}", problems)
+            check(client.get(path), f"GET {path[:40]}", problems)
+        for path in ("/v1/completions", "/set_lora_adapter/", "/reset_prefix_cache"):
+            check(client.get(path), f"GET {path}", problems)
+            check(client.delete(path), f"DELETE {path}", problems)
+        for value in ("xml", "", "\x00", "j" * 5000):
+            check(client.get("/server_info", params={"config_format": value}), f"server_info {value[:10]}", problems)
+        for header in ("Bearer", "Bearer " + "x" * 100_000, "Basic Zm9vOmJhcg==", "bearer test-token\x7f"):
+            check(client.post("/clear_lora_adapter/", headers={"Authorization": header}), f"auth {header[:20]}",
+                  problems)
+    assert not problems, "\n".join(problems)
