@@ -14,13 +14,21 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 from pydantic import BaseModel
 
 from grpo_api.protocol import ADAPTER_VERSION_HEADER, BOOT_ID_HEADER
 from grpo_server.responses import Tagging
+from grpo_server.security import require_token
 from grpo_server.service import Generated, GenerationService
+
+
+def generation_router(service: GenerationService, tag: str) -> APIRouter:
+    """A router for generation endpoints: they need the run's token only with server.authenticateGeneration."""
+    settings = service.settings
+    check = require_token(settings.token, enabled=settings.server.authenticate_generation)
+    return APIRouter(dependencies=[Depends(check)], tags=[tag])
 
 
 def add_routes(router: APIRouter, paths: tuple[str, ...], endpoint: Callable[..., Any], **route: Any) -> None:

@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from grpo_server.disconnect import cancel_on_disconnect
 from grpo_server.responses import generate_response
-from grpo_server.routes import tagged, tagging
+from grpo_server.routes import generation_router, tagged, tagging
 from grpo_server.sampling import check_prompts
 from grpo_server.schemas import GenerateRequest, GenerateResponse
-from grpo_server.security import require_token
 from grpo_server.service import GenerationService
 
 
 def router(service: GenerationService) -> APIRouter:
-    settings = service.settings
-    generating = Depends(require_token(settings.token, enabled=settings.server.authenticate_generation))
-    api = APIRouter(dependencies=[generating], tags=["native"])
+    api = generation_router(service, "native")
 
     @api.post("/generate/", response_model=GenerateResponse)
     @cancel_on_disconnect
