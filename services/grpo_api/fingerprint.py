@@ -5,9 +5,10 @@ A hash of the model's config.json and of its weight files' names, sizes and cont
 fingerprint, and copies of one checkpoint share one.
 
 Reading every weight byte costs time, so the per-file digests are cached beside the model
-(`.grpo-fingerprint.json`: size, mtime_ns and sha256 of each file) and a file is read again
+directory (`<dir>.grpo-fingerprint.json` next to it, not inside it, so copies and uploads of
+the model carry no cache: size, mtime_ns and sha256 of each file) and a file is read again
 only when its size or mtime changed. `grpo prepare` computes it once per run, so the server
-and the trainer find it warm. A read-only model directory (a read-only volume, an image
+and the trainer find it warm. A model on a read-only volume (a read-only claim, an image
 volume) is cached under `$XDG_CACHE_HOME/grpo/fingerprints` (default `~/.cache`), keyed by
 the directory's absolute path; when nothing can be written the digests are computed every
 time. A cache that cannot be read or written never fails the fingerprint.
@@ -26,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-#: The digest cache beside the model.
-CACHE_NAME = ".grpo-fingerprint.json"
+#: The digest cache beside the model directory: `<parent>/<dir name><CACHE_SUFFIX>`.
+CACHE_SUFFIX = ".grpo-fingerprint.json"
 #: The fallback cache's folder under $XDG_CACHE_HOME (or ~/.cache).
 USER_CACHE_DIR = Path("grpo") / "fingerprints"
 CACHE_FORMAT = 1
@@ -62,7 +63,7 @@ def weight_digests(model_dir: Path) -> dict[str, FileDigest]:
         for p in model_dir.rglob("*")
         if p.is_file() and p.suffix in WEIGHT_SUFFIXES
     }
-    beside = model_dir / CACHE_NAME
+    beside = beside_cache_path(model_dir)
     user = user_cache_path(model_dir)
     beside_entries = _read_cache(beside, None)
     user_entries = _read_cache(user, model_dir) if user else {}
@@ -84,6 +85,11 @@ def weight_digests(model_dir: Path) -> dict[str, FileDigest]:
     if digests not in (beside_entries, user_entries):
         _write_cache(model_dir, digests, beside, user)
     return digests
+
+
+def beside_cache_path(model_dir: Path) -> Path:
+    """The digest cache next to the model directory (a sibling file, so the directory itself stays as it was)."""
+    return model_dir.parent / (model_dir.name + CACHE_SUFFIX)
 
 
 def user_cache_path(model_dir: Path) -> Path | None:

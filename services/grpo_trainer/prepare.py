@@ -592,10 +592,10 @@ def prepare(cfg: RunConfig, reporter: Reporter) -> PrepareResult:
 def warm_fingerprint(model_dir: Path, reporter: Reporter) -> None:
     """Hash the weights into the fingerprint cache beside them, where the server and the trainer look first.
 
-    Only in a writable model directory (a read-only one would be cached in this pod's home, which no
-    other pod reads); a failure only costs the server the time to hash them itself.
+    Only where the cache can sit beside the model directory (else it would be cached in this pod's home,
+    which no other pod reads); a failure only costs the server the time to hash them itself.
     """
-    if not os.access(model_dir, os.W_OK):
+    if not os.access(model_dir.parent, os.W_OK):
         return
     reporter.progress(f"fingerprinting the weights in {model_dir}")
     try:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_api.fingerprint import CACHE_NAME, model_fingerprint, user_cache_path
+from grpo_api.fingerprint import beside_cache_path, model_fingerprint, user_cache_path
 
 FINGERPRINT = re.compile(r"^sha256:[0-9a-f]{32}$")
 CONFIG = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 16, "num_hidden_layers": 2}
@@ -58,7 +58,7 @@ def test_checkpoints_of_one_shape_and_file_size_with_other_weights_have_other_fi
 def test_the_digests_are_cached_beside_the_model_and_read_again_only_when_size_or_mtime_change(tmp_path):
     model = make_model(tmp_path / "model", seed=0)
     original = model_fingerprint(model)
-    cache = model / CACHE_NAME
+    cache = beside_cache_path(model)
     entries = cache_entries(cache)
     for path in weight_files(model):
         entry = entries[path.name]
@@ -93,15 +93,15 @@ def test_weights_changed_in_place_change_the_fingerprint_despite_the_cache(tmp_p
 def test_a_corrupt_cache_is_ignored_and_replaced(tmp_path):
     model = make_model(tmp_path / "model", seed=0)
     original = model_fingerprint(model)
-    (model / CACHE_NAME).write_text("{not json")
+    (beside_cache_path(model)).write_text("{not json")
     assert model_fingerprint(model) == original
-    assert set(cache_entries(model / CACHE_NAME)) == {p.name for p in weight_files(model)}
+    assert set(cache_entries(beside_cache_path(model))) == {p.name for p in weight_files(model)}
 
 
 def test_a_cache_that_cannot_be_written_beside_the_model_goes_to_xdg_cache_home(tmp_path, monkeypatch):
     model = make_model(tmp_path / "model", seed=0)
     expected = model_fingerprint(make_model(tmp_path / "twin", seed=0))
-    (model / CACHE_NAME).mkdir()  # even root cannot rename a file over a directory
+    (beside_cache_path(model)).mkdir()  # even root cannot rename a file over a directory
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert model_fingerprint(model) == expected
     cached = user_cache_path(model.resolve())
@@ -151,13 +151,13 @@ def fingerprint_in_subprocess(prefix: list[str], model: Path, env: dict[str, str
 
 
 def test_a_read_only_model_directory_is_fingerprinted_with_the_cache_in_xdg_cache_home(tmp_path, monkeypatch):
-    model = make_model(tmp_path / "model", seed=0)
+    model = make_model(tmp_path / "volume" / "model", seed=0)  # the whole volume read-only, as a claim or image
     expected = model_fingerprint(make_model(tmp_path / "twin", seed=0))
     xdg = tmp_path / "xdg"
     monkeypatch.setenv("XDG_CACHE_HOME", str(xdg))  # where this process looks for what the subprocess wrote
-    with read_only(model) as prefix:
+    with read_only(model.parent) as prefix:
         assert fingerprint_in_subprocess(prefix, model, {"XDG_CACHE_HOME": str(xdg)}) == expected
-        assert not (model / CACHE_NAME).exists()
+        assert not (beside_cache_path(model)).exists()
         cached = user_cache_path(model.resolve())
         assert cached is not None and cached.is_relative_to(xdg)
         content = json.loads(cached.read_text())
@@ -171,12 +171,12 @@ def test_a_read_only_model_directory_is_fingerprinted_with_the_cache_in_xdg_cach
 
 
 def test_with_nothing_writable_the_fingerprint_is_computed_anyway(tmp_path):
-    model = make_model(tmp_path / "model", seed=0)
+    model = make_model(tmp_path / "volume" / "model", seed=0)
     expected = model_fingerprint(make_model(tmp_path / "twin", seed=0))
     not_a_dir = tmp_path / "a-file"
     not_a_dir.write_text("")
     unwritable = {"XDG_CACHE_HOME": str(not_a_dir / "cache"), "HOME": str(not_a_dir)}
-    with read_only(model) as prefix:
+    with read_only(model.parent) as prefix:
         assert fingerprint_in_subprocess(prefix, model, unwritable) == expected
         assert fingerprint_in_subprocess(prefix, model, unwritable) == expected
-    assert not (model / CACHE_NAME).exists()
+    assert not (beside_cache_path(model)).exists()
