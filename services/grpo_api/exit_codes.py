@@ -21,11 +21,18 @@ import os
 from pathlib import Path
 from typing import Final
 
-from grpo_api.prepare_protocol import DEFAULT_TERMINATION_LOG, ENV_TERMINATION_LOG, MAX_FINAL_CHARS
+from grpo_api.prepare_protocol import (
+    DEFAULT_TERMINATION_LOG,
+    ENV_TERMINATION_LOG,
+    EXIT_PERMANENT,
+    EXIT_READY,
+    EXIT_TRANSIENT,
+    MAX_FINAL_CHARS,
+)
 
-EXIT_SUCCEEDED: Final = 0
-EXIT_FAILED: Final = 1
-EXIT_INVALID_SPEC: Final = 2
+EXIT_SUCCEEDED: Final = EXIT_READY
+EXIT_FAILED: Final = EXIT_TRANSIENT
+EXIT_INVALID_SPEC: Final = EXIT_PERMANENT
 
 
 def termination_log_path() -> Path | None:

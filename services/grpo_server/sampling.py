@@ -81,7 +81,7 @@ SEED_RANGE = (-(2**63), 2**63 - 1)
 #: Stop token ids per request (vLLM's sampler holds at most 128 while min_tokens applies).
 MAX_STOP_TOKEN_IDS = 128
 #: Alternatives per token an engine returns at most (vLLM's default max_logprobs).
-MAX_TOP_LOGPROBS = 20
+MAX_LOGPROBS = 20
 
 
 def check_ranges(options: SamplingOptions) -> None:
@@ -94,8 +94,8 @@ def check_ranges(options: SamplingOptions) -> None:
         raise BadRequest(f"seed must be a signed 64-bit integer, got {options.seed}")
     if len(options.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise BadRequest(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids, got {len(options.stop_token_ids)}")
-    if not 0 <= options.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise BadRequest(f"logprobs: 0 to {MAX_TOP_LOGPROBS} alternatives per token, got {options.top_logprobs}")
+    if not 0 <= options.top_logprobs <= MAX_LOGPROBS:
+        raise BadRequest(f"logprobs: 0 to {MAX_LOGPROBS} alternatives per token, got {options.top_logprobs}")
     if options.max_tokens < 1 or options.min_tokens < 0 or options.n < 1:
         raise BadRequest(
             f"max_tokens must be ≥ 1, min_tokens ≥ 0 and n ≥ 1 (got {options.max_tokens}, {options.min_tokens}, "

@@ -23,9 +23,8 @@ from grpo_api.protocol import ActiveAdapter
 from grpo_server.engines.base import SamplingOptions, StructuredOutput
 from grpo_server.errors import BadRequest
 from grpo_server.fields import GENERATION_KWARGS, Endpoint, check_generation_kwargs, check_sent, describe
-from grpo_server.sampling import Limits, resolve_max_tokens
+from grpo_server.sampling import MAX_LOGPROBS, Limits, resolve_max_tokens
 
-MAX_LOGPROBS = 20
 #: Entries of logit_bias and allowed_token_ids: vLLM 0.26's sampler (V2 model runner) holds at most 1024.
 MAX_SAMPLING_TOKEN_IDS = 1024
 

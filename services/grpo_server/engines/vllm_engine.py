@@ -56,6 +56,7 @@ from grpo_server.engines.logprobs import (
     rescore_equals_sampler,
     sampled_logprobs,
 )
+from grpo_server.sampling import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -63,7 +64,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Alternatives per token a request may ask for (vLLM's `max_logprobs`).
-MAX_LOGPROBS = 20
 
 
 def engine_args(model_dir: Path, served_name: str, server: ServerSpec) -> AsyncEngineArgs:

@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from grpo_api.protocol import HealthResponse
 from grpo_server.registry import BASE_SUFFIX
 from grpo_server.routes import add_routes
+from grpo_server.sampling import MAX_LOGPROBS
 from grpo_server.schemas import ModelCard, ModelList, ServerInfo, WorldSizeResponse
 from grpo_server.service import GenerationService
 
@@ -65,7 +66,7 @@ def router(service: GenerationService) -> APIRouter:
                 "logprobs_mode": "processed_logprobs",
                 "max_model_len": limits.max_model_len if limits else None,
                 "dtype": str(settings.server.dtype),
-                "max_logprobs": 20,
+                "max_logprobs": MAX_LOGPROBS,
             },
             "lora_config": {"max_loras": settings.server.max_loras, "max_lora_rank": settings.server.max_lora_rank},
             "parallel_config": {
