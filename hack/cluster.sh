@@ -354,15 +354,25 @@ YAML
 
 # ----------------------------------------------------------------------------------------------- images
 import_images() {  # import_images [NAME-PREFIX] : archives from hack/images.sh, skipping what is there
-  local filter=${1:-} ref archive present
+  local filter=${1:-} ref archive present current stale
+  current=$(bash "$REPO/hack/images.sh" list)
   present=$(ctr_ images ls -q 2>/dev/null)   # (a cgroup v1 host makes ctr warn on every call)
+  # Older builds of the project's images go first (containerd then collects their layers), so the
+  # node's image store holds one build of each, not one per change of the sources.
+  stale=$(grep -E '^localhost/(pause|grpo-(base|operator|server|trainer)):' <<<"$present" \
+    | grep -vxFf <(cut -d' ' -f1 <<<"$current") || true)
+  if [ -n "$stale" ]; then
+    # shellcheck disable=SC2086
+    ctr_ images rm --sync $stale >/dev/null 2>&1 || true
+    present=$(ctr_ images ls -q 2>/dev/null)
+  fi
   while read -r ref archive; do
     case $ref in localhost/$filter*) ;; *) continue ;; esac
     grep -qxF "$ref" <<<"$present" && continue
     [ -s "$archive" ] || die "no archive for $ref: run hack/images.sh build"
     ctr_ images import "$archive" >/dev/null
     say "imported $ref"
-  done < <(bash "$REPO/hack/images.sh" list)
+  done <<<"$current"
 }
 
 import_archives() {  # import_archives ARCHIVE... : other images (hack/images.sh data), as they are

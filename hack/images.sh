@@ -60,7 +60,35 @@ export_archive() {  # export_archive NAME REF ARCHIVE : buildah storage -> docke
   rm -f "$3.partial"
   buildah push --quiet "$2" "docker-archive:$3.partial:$2" >/dev/null
   mv "$3.partial" "$3"
-  find "$CACHE" -name "$1-*.tar" ! -path "$3" -delete   # older builds of this image
+}
+
+# Older builds of an image are never used again (their key is gone): they leave the cache and buildah's
+# storage before the new one is built, so a machine holds one build of each image, not one per change.
+prune_stale() {  # prune_stale NAME REF ARCHIVE
+  local stale
+  find "$CACHE" -maxdepth 1 \( -name "$1-*.tar" -o -name "$1-*.tar.partial" \) ! -path "$3" -delete
+  stale=$(buildah images --format '{{.Name}}:{{.Tag}}' --filter "reference=localhost/$1" 2>/dev/null \
+    | grep -vxF "$2" || true)
+  if [ -n "$stale" ]; then
+    # shellcheck disable=SC2086
+    buildah rmi $stale >/dev/null 2>&1 || true
+    buildah rmi --prune >/dev/null 2>&1 || true   # their untagged layers, not the ones current images use
+  fi
+}
+
+# A build that runs out of disk leaves a half-written archive and an unclear buildah error: check first.
+# The need is the last archive of this image when there was one, else a fixed estimate.
+need_space() {  # need_space NAME BYTES-OF-THE-PREVIOUS-ARCHIVE (0: none)
+  local need avail gib=$((1024 * 1024 * 1024))
+  case $1 in grpo-server|grpo-trainer) need=$((7 * gib)) ;; *) need=$gib ;; esac
+  if [ "$2" -gt 0 ]; then need=$(( $2 * 11 / 10 + gib / 2 )); fi
+  avail=$(df -B1 --output=avail "$CACHE" | tail -1)
+  if [ "$avail" -lt "$need" ]; then
+    echo "hack/images.sh: building $1 needs about $((need / gib + 1)) GiB free on the disk of $CACHE;" \
+      "$((avail / gib)) GiB is free. Free some (hack/cluster.sh down --purge-all drops the node's image" \
+      "store, buildah rmi --all the build cache) and run again." >&2
+    exit 1
+  fi
 }
 
 # Builders make the image REF (set by `ensure`, once, so that files changing during a build cannot
@@ -111,10 +139,13 @@ build_dockerfile() {  # build_dockerfile DOCKERFILE [BUILD_ARG...]
 }
 
 ensure() {  # ensure NAME BUILDER [ARGS...] : build and export unless the archive for its key exists
-  local name=$1 s archive; shift
+  local name=$1 s archive previous; shift
   REF=$(ref_of "$name") archive=$(archive_of "$name")
+  previous=$(find "$CACHE" -maxdepth 1 -name "$name-*.tar" -printf '%s\n' | sort -n | tail -1)
+  prune_stale "$name" "$REF" "$archive"
   if [ -s "$archive" ]; then return; fi
   s=$(date +%s)
+  need_space "$name" "${previous:-0}"
   log "building $REF"
   if ! buildah inspect --type image "$REF" >/dev/null 2>&1; then "$@"; fi
   export_archive "$name" "$REF" "$archive"
