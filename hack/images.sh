@@ -33,7 +33,7 @@ sha() { sha256sum | cut -c1-16; }
 
 # The inputs of the project images: everything a Dockerfile COPYs (the build context less caches).
 project_hash() {
-  (cd "$REPO" && find pyproject.toml README.md services operator -type f \
+  (cd "$REPO" && find pyproject.toml README.md LICENSE services operator -type f \
       ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | sort -z | xargs -0 sha256sum) | sha
 }
 

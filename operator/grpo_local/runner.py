@@ -20,10 +20,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import assert_never
 
-import httpx
 from pydantic import ValidationError
 
+from grpo_api.childenv import child_environment
 from grpo_api.exit_codes import EXIT_INVALID_SPEC
 from grpo_api.lifecycle import (
     Action,
@@ -45,16 +46,10 @@ from grpo_api.lifecycle import (
 )
 from grpo_api.models import TERMINAL_PHASES, EnvVar, GRPORun, GRPORunStatus, Phase
 from grpo_api.prepare_protocol import ENV_TERMINATION_LOG, latest_progress
-from grpo_api.protocol import (
-    ENV_ATTEMPT,
-    ENV_RUN_CONFIG,
-    ENV_SERVER_URL,
-    ENV_TOKEN_FILE,
-    HealthResponse,
-    TrainingProgress,
-)
+from grpo_api.protocol import TrainingProgress
 from grpo_api.runconfig import RUN_CONFIG_FILE, RunConfig, run_config_for
 from grpo_local.processes import Child
+from grpo_operator.health import HealthClient
 
 #: The loop never sleeps longer than this, so the view and Ctrl-C stay responsive.
 MAX_TICK_SECONDS = 0.5
@@ -92,6 +87,8 @@ class LocalRun:
     events: list[RunEvent] = field(default_factory=list)
     samples: list[TrainingProgress] = field(default_factory=list)
     started_monotonic: float = field(default_factory=time.monotonic)
+    #: The same health probe the operator uses.
+    health: HealthClient = field(default_factory=lambda: HealthClient(HEALTH_TIMEOUT_SECONDS))
 
     @property
     def config(self) -> RunConfig:
@@ -165,20 +162,12 @@ class LocalRun:
             return latest_progress(f.read().decode("utf-8", errors="replace"))
 
     def check_health(self) -> HealthCheck:
+        health = self.health.check(self.config.server_url, self.run.spec.effective_server.health_path)
         server = self.servers.get(self.status.attempt)
-        url = self.config.server_url.rstrip("/") + self.run.spec.effective_server.health_path
-        try:
-            response = httpx.get(url, timeout=HEALTH_TIMEOUT_SECONDS)
-        except httpx.HTTPError as exc:
-            error = type(exc).__name__
-            if server is not None and server.poll() is not None:
-                error = f"server process exited with code {server.poll()}; see {server.log_path}"
+        if not health.reachable and server is not None and server.poll() is not None:
+            error = f"server process exited with code {server.poll()}; see {server.log_path}"
             return HealthCheck(reachable=False, error=error)
-        try:
-            body = HealthResponse.model_validate_json(response.content)
-        except ValidationError:
-            body = None
-        return HealthCheck(reachable=True, status_code=response.status_code, body=body)
+        return health
 
     def trainer_state(self, attempt: int) -> tuple[TrainerState, str, bool]:
         """The attempt's trainer process: its state, what it said, and whether it failed permanently (it
@@ -216,29 +205,32 @@ class LocalRun:
     # -- actions ---------------------------------------------------------------------------------
 
     def apply(self, action: Action) -> None:
-        if isinstance(action, Provision):
-            self.provision()
-        elif isinstance(action, EnsureServer):
-            self.ensure_server(action.attempt, action.replicas)
-        elif isinstance(action, (StopServer, DeleteServer)):
-            self.stop_servers()
-        elif isinstance(action, CreateInitializer):
-            self.create_initializer()
-        elif isinstance(action, CreateTrainer):
-            self.create_trainer(action.attempt)
-        elif isinstance(action, DeleteTrainer):
-            child = self.trainers.get(action.attempt)
-            if child is not None and child.running:
-                child.stop()
-        elif isinstance(action, Emit):
-            event = RunEvent(dt.datetime.now(dt.UTC), action.type, action.reason, action.message)
-            self.events.append(event)
-            with (self.run_dir / "events.log").open("a") as f:
-                f.write(f"{event.at.isoformat()} {event.type} {event.reason}: {event.message}\n")
-            if self.on_event is not None:
-                self.on_event(event)
-        elif isinstance(action, (RequeueAfter, DeleteRun)):
-            pass  # the loop's pace; a local run has nothing to delete after its TTL
+        match action:
+            case Provision():
+                self.provision()
+            case EnsureServer(attempt=attempt, replicas=replicas):
+                self.ensure_server(attempt, replicas)
+            case StopServer() | DeleteServer():
+                self.stop_servers()
+            case CreateInitializer():
+                self.create_initializer()
+            case CreateTrainer(attempt=attempt):
+                self.create_trainer(attempt)
+            case DeleteTrainer(attempt=attempt):
+                child = self.trainers.get(attempt)
+                if child is not None and child.running:
+                    child.stop()
+            case Emit():
+                event = RunEvent(dt.datetime.now(dt.UTC), action.type, action.reason, action.message)
+                self.events.append(event)
+                with (self.run_dir / "events.log").open("a") as f:
+                    f.write(f"{event.at.isoformat()} {event.type} {event.reason}: {event.message}\n")
+                if self.on_event is not None:
+                    self.on_event(event)
+            case RequeueAfter() | DeleteRun():
+                pass  # the loop's pace; a local run has nothing to delete after its TTL
+            case _:
+                assert_never(action)
 
     def provision(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -251,16 +243,20 @@ class LocalRun:
     def child_env(self, attempt: int, extra: Sequence[EnvVar] = ()) -> dict[str, str]:
         """The child's variables; the container's `env` of the spec comes last, as in the pod, so it may
         override ours on purpose."""
-        ours = {
-            ENV_RUN_CONFIG: str(self.config_file),
-            ENV_TOKEN_FILE: str(self.token_file),
-            ENV_SERVER_URL: self.config.server_url,
-            ENV_ATTEMPT: str(attempt),
+        ours = dict(
+            child_environment(
+                run_config=str(self.config_file),
+                attempt=attempt,
+                token_file=str(self.token_file),
+                server_url=self.config.server_url,
+            )
+        )
+        ours.update({
             "GRPO_TRAINER_METRICS_PORT": os.environ.get("GRPO_TRAINER_METRICS_PORT", "0"),
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
             "TOKENIZERS_PARALLELISM": "false",
             "PYTHONUNBUFFERED": "1",
-        }
+        })
         return {**ours, **{e.name: e.literal for e in extra if e.value_from is None}}
 
     def ensure_server(self, attempt: int, replicas: int) -> None:
@@ -324,6 +320,7 @@ class LocalRun:
         for child in [*initializer, *self.trainers.values(), *self.servers.values()]:
             if child.group_alive():
                 child.stop()
+        self.health.close()
 
     def record(self) -> None:
         # status.failedAttempts holds the failed-attempt count, as on a cluster.

@@ -13,12 +13,16 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from grpo_api.childenv import child_environment
 from grpo_api.exit_codes import EXIT_INVALID_SPEC
 from grpo_api.models import (
     API_VERSION,
     DEFAULT_SERVER_IMAGE,
     DEFAULT_TRAINER_IMAGE,
     KIND,
+    MAX_RUN_NAME,
+    RUN_NAME_MESSAGE,
+    RUN_NAME_PATTERN,
     EnvVar,
     GRPORun,
     Mode,
@@ -27,7 +31,6 @@ from grpo_api.models import (
     TrainerSpec,
 )
 from grpo_api.prepare_protocol import EXIT_PERMANENT
-from grpo_api.protocol import ENV_ATTEMPT, ENV_RUN_CONFIG, ENV_SERVER_URL, ENV_TOKEN_FILE
 from grpo_api.runconfig import RUN_CONFIG_FILE, run_config_for
 from grpo_api.sources import ClusterLayout, SourceVolume, cluster_layout, hub_tokens
 
@@ -56,10 +59,6 @@ RUN_CONFIG_PATH = f"{CONFIG_DIR}/{RUN_CONFIG_FILE}"
 TOKEN_PATH = f"{TOKEN_DIR}/{TOKEN_KEY}"
 NON_ROOT_UID = 1000
 
-#: Child names append at most "-trainer-" plus the attempt number to the run name, and a Job's name
-#: becomes a label value (63 characters at most).
-MAX_RUN_NAME = 48
-_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
 class InvalidRunError(ValueError):
@@ -113,11 +112,8 @@ def child_names(run: GRPORun) -> ChildNames:
 def check_run(run: GRPORun) -> None:
     """Refuse a run whose name cannot prefix its children (Service names are DNS-1035 labels)."""
     name = run.metadata.name
-    if len(name) > MAX_RUN_NAME or not _DNS_LABEL.match(name):
-        raise InvalidRunError(
-            f"metadata.name {name!r} must start with a letter, hold only a-z, 0-9 and '-', and be at most "
-            f"{MAX_RUN_NAME} characters: the server Service and trainer Jobs are named after it"
-        )
+    if len(name) > MAX_RUN_NAME or not re.fullmatch(RUN_NAME_PATTERN, name):
+        raise InvalidRunError(f"{RUN_NAME_MESSAGE} (it is {name!r})")
     if not run.metadata.uid:
         raise InvalidRunError("metadata.uid is empty: children need it for their ownerReference")
 
@@ -455,17 +451,17 @@ def _env_var(var: EnvVar) -> dict[str, Any]:
 
 
 def _env(
-    run: GRPORun, attempt: int, ours: list[dict[str, Any]], user: list[EnvVar], *, token: bool
+    run: GRPORun, attempt: int, ours: list[dict[str, Any]], user: list[EnvVar], *, token: bool, server: bool = False
 ) -> list[dict[str, Any]]:
-    env: list[dict[str, Any]] = [
-        {"name": ENV_RUN_CONFIG, "value": RUN_CONFIG_PATH},
-        {"name": ENV_ATTEMPT, "value": str(attempt)},
-    ]
-    if token:
-        env.append({"name": ENV_TOKEN_FILE, "value": TOKEN_PATH})
     cache = run.spec.storage.model_cache
-    if cache is not None:
-        env.append({"name": "HF_HOME", "value": cache.mount_path})
+    common = child_environment(
+        run_config=RUN_CONFIG_PATH,
+        attempt=attempt,
+        token_file=TOKEN_PATH if token else None,
+        server_url=server_url(run) if server else None,
+        model_cache=cache.mount_path if cache is not None else None,
+    )
+    env: list[dict[str, Any]] = [{"name": name, "value": value} for name, value in common]
     env.extend(ours)
     # User variables come last so they may override ours on purpose.
     env.extend(_env_var(var) for var in user)
@@ -645,14 +641,13 @@ def build_trainer_job(
     images = images or Images()
     placement = placement or Placement()
     server_mode = run.spec.mode == Mode.SERVER
-    ours = [{"name": ENV_SERVER_URL, "value": server_url(run)}] if server_mode else []
     container = {
         "name": TRAINER,
         "image": trainer.image or images.trainer,
         "imagePullPolicy": trainer.image_pull_policy,
         "command": ["grpo", "train"],
         "ports": [{"name": "metrics", "containerPort": trainer.metrics_port, "protocol": "TCP"}],
-        "env": _env(run, attempt, ours, trainer.env, token=server_mode),
+        "env": _env(run, attempt, [], trainer.env, token=server_mode, server=server_mode),
         "resources": _resources(trainer.resources),
         "volumeMounts": _mounts(run, _extra_mounts(trainer), shm=True, token=server_mode),
         "terminationMessagePolicy": "FallbackToLogsOnError",

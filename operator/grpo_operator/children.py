@@ -75,14 +75,35 @@ class JobInfo:
 
 
 @dataclass(frozen=True)
+class ObjectInfo:
+    """A child the run provisions once (ConfigMap, claim, Service, NetworkPolicy): enough to tell that
+    it exists, whose it is and whether it is going away."""
+
+    kind: str
+    name: str
+    owner: str | None
+    terminating: bool = False
+
+
+@dataclass(frozen=True)
 class Children:
-    """A snapshot of one run's server pods, server Deployment, trainer Jobs and their pods."""
+    """A snapshot of one run's server pods, server Deployment, trainer Jobs and their pods, and the
+    objects provisioned for it."""
 
     pods: tuple[PodInfo, ...] = ()
     deployment: DeploymentInfo | None = None
     jobs: tuple[JobInfo, ...] = ()
     trainer_pods: tuple[PodInfo, ...] = ()
     initializer_pods: tuple[PodInfo, ...] = ()
+    #: Provisioned objects this run owns; None when the executor does not watch them (then nothing
+    #: counts as missing).
+    objects: tuple[ObjectInfo, ...] | None = None
+
+    def has(self, kind: str, name: str) -> bool:
+        """The run owns this object and it is not being deleted (True when objects are not watched)."""
+        if self.objects is None:
+            return True
+        return any(o.kind == kind and o.name == name and not o.terminating for o in self.objects)
 
     def job(self, name: str) -> JobInfo | None:
         return next((j for j in self.jobs if j.name == name), None)
@@ -113,7 +134,11 @@ class Children:
 
 
 def snapshot(
-    run_uid: str, pods: Iterable[PodInfo], deployments: Iterable[DeploymentInfo], jobs: Iterable[JobInfo]
+    run_uid: str,
+    pods: Iterable[PodInfo],
+    deployments: Iterable[DeploymentInfo],
+    jobs: Iterable[JobInfo],
+    objects: Iterable[ObjectInfo] | None = None,
 ) -> Children:
     """One run's children from the index entries under its (namespace, name).
 
@@ -129,7 +154,26 @@ def snapshot(
         initializer_pods=tuple(p for p in pods if p.component == INITIALIZER),
         deployment=owned_deployments[0] if owned_deployments else None,
         jobs=tuple(j for j in jobs if j.owner == run_uid),
+        objects=None if objects is None else tuple(o for o in objects if o.owner == run_uid),
     )
+
+
+def object_info(kind: str, body: dict[str, Any]) -> ObjectInfo:
+    meta = body.get("metadata") or {}
+    return ObjectInfo(
+        kind=kind,
+        name=str(meta.get("name", "")),
+        owner=owner_uid(meta),
+        terminating=bool(meta.get("deletionTimestamp")),
+    )
+
+
+def owner_of(meta: dict[str, Any]) -> tuple[str, str] | None:
+    """(kind, uid) of the controller that owns this object, if any."""
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("controller"):
+            return str(ref.get("kind", "")), str(ref.get("uid", ""))
+    return None
 
 
 def owner_uid(meta: dict[str, Any]) -> str | None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import kopf
 import prometheus_client
+from kopf._cogs.structs import references as kopf_references
 
 from grpo_api.models import GROUP, PLURAL, VERSION
 from grpo_operator import builders, children, reconcile
@@ -61,6 +62,51 @@ def shutdown(memo: kopf.Memo, **_: Any) -> None:
 
 # -------------------------------------------------------------------------------------------- indexes
 
+#: (API group, plural) of the children kinds watched below. kopf filters by labels in-process only; its
+#: list and watch requests for these carry `labelSelector=grpo.dev/run` instead, so the API server
+#: sends the operator the run's children and not every Pod, Job or ConfigMap of the namespace.
+SELECTED_RESOURCES = frozenset(
+    {
+        ("", "pods"),
+        ("apps", "deployments"),
+        ("batch", "jobs"),
+        ("", "configmaps"),
+        ("", "services"),
+        ("", "persistentvolumeclaims"),
+        ("networking.k8s.io", "networkpolicies"),
+    }
+)
+
+
+def select_children_server_side(selector: str = builders.RUN_LABEL) -> None:
+    """Make kopf's list and watch URLs of the children kinds carry a label selector.
+
+    kopf (pinned in pyproject.toml) builds every list and watch URL with `Resource.get_url`; requests for
+    one object (a name) are left as they are. A test checks the URLs kopf builds, and one the traffic.
+    """
+    original = kopf_references.Resource.get_url
+    if getattr(original, "grpo_selector", None) == selector:
+        return
+
+    def get_url(
+        self: kopf_references.Resource,
+        *,
+        server: str | None = None,
+        namespace: kopf_references.Namespace = None,
+        name: str | None = None,
+        subresource: str | None = None,
+        params: dict[str, str] | None = None,
+    ) -> str:
+        if name is None and (self.group, self.plural) in SELECTED_RESOURCES:
+            params = {**(params or {}), "labelSelector": selector}
+        return original(self, server=server, namespace=namespace, name=name, subresource=subresource, params=params)
+
+    get_url.grpo_selector = selector  # type: ignore[attr-defined]
+    kopf_references.Resource.get_url = get_url  # type: ignore[method-assign]
+
+
+select_children_server_side()
+
 
 def _run_key(namespace: str | None, labels: kopf.Labels) -> RunKey:
     return (namespace or "", labels[builders.RUN_LABEL])
@@ -96,6 +142,24 @@ def trainer_jobs(body: kopf.Body, namespace: str | None, labels: kopf.Labels, **
     return {_run_key(namespace, labels): children.job_info(dict(body))}
 
 
+def _provisioned(kind: str) -> Any:
+    def index(body: kopf.Body, namespace: str | None, labels: kopf.Labels, **_: Any) -> dict[RunKey, Any]:
+        return {_run_key(namespace, labels): children.object_info(kind, dict(body))}
+
+    return index
+
+
+_RUN_LABELLED = {builders.RUN_LABEL: kopf.PRESENT}
+run_config_maps = kopf.index("configmaps", labels=_RUN_LABELLED, id="run_config_maps")(_provisioned("ConfigMap"))
+run_services = kopf.index("services", labels=_RUN_LABELLED, id="run_services")(_provisioned("Service"))
+run_claims = kopf.index("persistentvolumeclaims", labels=_RUN_LABELLED, id="run_claims")(
+    _provisioned("PersistentVolumeClaim")
+)
+run_network_policies = kopf.index(
+    "networking.k8s.io", "v1", "networkpolicies", labels=_RUN_LABELLED, id="run_network_policies"
+)(_provisioned("NetworkPolicy"))
+
+
 # --------------------------------------------------------------------------------------------- runs
 
 
@@ -111,6 +175,10 @@ async def reconcile_run(
     run_pods: kopf.Index[RunKey, children.PodInfo],
     server_deployments: kopf.Index[RunKey, children.DeploymentInfo],
     trainer_jobs: kopf.Index[RunKey, children.JobInfo],
+    run_config_maps: kopf.Index[RunKey, children.ObjectInfo],
+    run_services: kopf.Index[RunKey, children.ObjectInfo],
+    run_claims: kopf.Index[RunKey, children.ObjectInfo],
+    run_network_policies: kopf.Index[RunKey, children.ObjectInfo],
     **_: Any,
 ) -> None:
     runtime: reconcile.Runtime = memo["runtime"]
@@ -120,8 +188,14 @@ async def reconcile_run(
     try:
         while not stopped:
             wakeup.clear()
+            objects = [
+                *run_config_maps.get(key, []),
+                *run_services.get(key, []),
+                *run_claims.get(key, []),
+                *run_network_policies.get(key, []),
+            ]
             snapshot = children.snapshot(
-                uid, run_pods.get(key, []), server_deployments.get(key, []), trainer_jobs.get(key, [])
+                uid, run_pods.get(key, []), server_deployments.get(key, []), trainer_jobs.get(key, []), objects
             )
             raw = copy.deepcopy(dict(body))
             delay = await loop.run_in_executor(runtime.executor, reconcile.reconcile, runtime, raw, snapshot)

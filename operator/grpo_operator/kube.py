@@ -103,6 +103,24 @@ class KubeClient:
             raise
         return True
 
+    def read(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """One child by name, None when it does not exist."""
+        readers: dict[str, Callable[..., Any]] = {
+            "ConfigMap": self.core.read_namespaced_config_map,
+            "Secret": self.core.read_namespaced_secret,
+            "PersistentVolumeClaim": self.core.read_namespaced_persistent_volume_claim,
+            "Service": self.core.read_namespaced_service,
+            "Deployment": self.apps.read_namespaced_deployment,
+            "Job": self.batch.read_namespaced_job,
+            "NetworkPolicy": self.networking.read_namespaced_network_policy,
+        }
+        try:
+            return self._call("get", kind, readers[kind], name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
     def read_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             return self._call("get", "Job", self.batch.read_namespaced_job, name, namespace)

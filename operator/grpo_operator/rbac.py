@@ -19,22 +19,28 @@ APPLICATION_RULES: list[PolicyRule] = [
     {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["get", "patch"]},
     # ownerReferences with blockOwnerDeletion need update on the owner's finalizers subresource.
     {"apiGroups": [GROUP], "resources": [f"{PLURAL}/finalizers"], "verbs": ["update"]},
-    # Children created once per attempt ("already exists" is success); they are deleted by GC.
+    # Children: created once per attempt ("already exists" is success only when the run owns the object,
+    # so conflicts are read back); watched through kopf indexes with a server-side label selector, so a
+    # reconcile sees a deleted child without an API call and re-creates it. They are deleted by GC.
     {
         "apiGroups": [""],
-        "resources": ["configmaps", "secrets", "persistentvolumeclaims"],
-        "verbs": ["create"],
+        "resources": ["configmaps", "persistentvolumeclaims", "services"],
+        "verbs": ["get", "list", "watch", "create"],
     },
-    # A run's claims are read for their access modes (ReadWriteOncePod refused, ReadWriteOnce co-located).
-    {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get"]},
-    {"apiGroups": [""], "resources": ["services"], "verbs": ["create", "delete"]},
+    {"apiGroups": [""], "resources": ["services"], "verbs": ["delete"]},
+    # The token Secret: read by name only (whose it is, whether it still exists), never listed or watched,
+    # so the operator cannot enumerate a namespace's Secrets.
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]},
     # The run's server NetworkPolicy: created with the Service, removed with the run by GC.
-    {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["create"]},
-    # Watched through kopf indexes, so a reconcile reads them without an API call.
+    {
+        "apiGroups": ["networking.k8s.io"],
+        "resources": ["networkpolicies"],
+        "verbs": ["get", "list", "watch", "create"],
+    },
     {
         "apiGroups": ["apps"],
         "resources": ["deployments"],
-        "verbs": ["list", "watch", "create", "patch", "delete"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
     {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "list", "watch", "create", "delete"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},

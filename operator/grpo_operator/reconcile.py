@@ -18,7 +18,7 @@ import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, assert_never
 
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
@@ -42,20 +42,27 @@ from grpo_api.lifecycle import (
     TrainerState,
     decide,
     reject,
+    troubled,
     wants_health,
 )
-from grpo_api.models import GRPORun, GRPORunStatus, Mode, Phase
+from grpo_api.models import KIND, GRPORun, GRPORunStatus, Mode, Phase, Reason
 from grpo_api.prepare_protocol import latest_progress
 from grpo_api.runconfig import format_validation_error
 from grpo_api.sources import SourceError
 from grpo_operator import builders, metrics
-from grpo_operator.children import Children, job_info
+from grpo_operator.children import Children, job_info, owner_of
 from grpo_operator.health import DEFAULT_TIMEOUT_SECONDS, HealthClient
 from grpo_operator.kube import KubeClient
 
 log = logging.getLogger("grpo_operator")
 
 MIN_REQUEUE_SECONDS = 0.2
+#: A reconcile that keeps failing is retried after the interval, doubling up to this.
+MAX_BACKOFF_SECONDS = 300.0
+#: While children of an earlier run of the same name go away.
+OLD_CHILDREN_POLL_SECONDS = 2.0
+#: The token Secret is read by name (never watched: the operator may not list Secrets), this often.
+TOKEN_CHECK_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,10 @@ class Runtime:
     #: (namespace, name) of each run by uid: whose per-run metric series are whose.
     names: dict[str, tuple[str, str]] = field(default_factory=dict)
     last_errors: dict[str, str] = field(default_factory=dict)
+    #: Reconciles of each run that failed in a row (their backoff).
+    failures: dict[str, int] = field(default_factory=dict)
+    #: When each run's token Secret was last seen.
+    token_seen: dict[str, float] = field(default_factory=dict)
     last_reconcile: float = field(default_factory=time.monotonic)
 
     def forget(self, uid: str) -> None:
@@ -95,6 +106,8 @@ class Runtime:
         self.known_versions.pop(uid, None)
         self.phases.pop(uid, None)
         self.last_errors.pop(uid, None)
+        self.failures.pop(uid, None)
+        self.token_seen.pop(uid, None)
         metrics.set_runs_by_phase(self.phases)
         key = self.names.pop(uid, None)
         # A new run of the same name may already own the series: leave them to it.
@@ -110,12 +123,14 @@ def reconcile(rt: Runtime, body: dict[str, Any], children: Children) -> float:
     try:
         delay = _reconcile(rt, body, children)
         rt.last_errors.pop(uid, None)
+        rt.failures.pop(uid, None)
     except ApiException as exc:
-        _failed(rt, meta, f"API {exc.status} {exc.reason}: {str(exc.body)[:300]}", f"api_{exc.status}")
-        delay = rt.config.reconcile_interval
+        delay = _trouble(rt, body, f"API {exc.status} {exc.reason}: {_api_message(exc)[:300]}", f"api_{exc.status}")
     except Urllib3HTTPError as exc:
-        _failed(rt, meta, f"API unreachable: {exc}", "api_unreachable")
-        delay = rt.config.reconcile_interval
+        delay = _trouble(rt, body, f"API unreachable: {exc}", "api_unreachable")
+    except Exception as exc:  # one run's bug must not crash its daemon in a loop with nothing said
+        log.exception("unexpected error in the reconcile of %s/%s", meta.get("namespace"), meta.get("name"))
+        delay = _trouble(rt, body, f"unexpected {type(exc).__name__}: {str(exc)[:300]}", "unexpected")
     finally:
         metrics.RECONCILE_DURATION.observe(time.monotonic() - started)
         rt.last_reconcile = time.monotonic()
@@ -131,6 +146,29 @@ def _api_message(exc: ApiException) -> str:
         body = {}
     message = body.get("message") if isinstance(body, dict) else None
     return str(message or f"{exc.status} {exc.reason}")
+
+
+def _trouble(rt: Runtime, body: dict[str, Any], message: str, error: str) -> float:
+    """A reconcile failed: count it, post one event per distinct error, say so in the Reconciled
+    condition (where the API lets us), and retry with backoff. Returns the delay."""
+    meta = body.get("metadata") or {}
+    uid = str(meta.get("uid", ""))
+    _failed(rt, meta, message, error)
+    failures = rt.failures.get(uid, 0) + 1
+    rt.failures[uid] = failures
+    try:
+        raw_status: dict[str, Any] = body.get("status") or {}
+        status = GRPORunStatus.model_validate(raw_status)
+        try:
+            spec: Any = GRPORun.model_validate({"metadata": meta, "spec": body.get("spec")}).spec
+        except ValidationError:
+            spec = None
+        decision = troubled(spec, status, Reason.RECONCILE_ERROR, message, dt.datetime.now(dt.UTC),
+                            generation=meta.get("generation"))
+        _record(rt, meta, raw_status, status, decision)
+    except Exception as exc:  # the API may be what failed: the event and the log have it
+        log.warning("could not record the failed reconcile of %s/%s: %s", meta.get("namespace"), meta.get("name"), exc)
+    return min(rt.config.reconcile_interval * 2 ** (failures - 1), MAX_BACKOFF_SECONDS)
 
 
 def _failed(rt: Runtime, meta: dict[str, Any], message: str, error: str) -> None:
@@ -186,13 +224,25 @@ def _reconcile(rt: Runtime, body: dict[str, Any], children: Children) -> float:
     decision = decide(run.spec, status, observed, generation=generation)
     try:
         deleted = execute(rt, run, children, decision)
+    except ChildConflictError as exc:
+        if exc.of_earlier_run:
+            # Re-created under a dying run's name: its children go first (GC), never adopted.
+            decision = troubled(run.spec, status, Reason.WAITING_FOR_OLD_CHILDREN, str(exc), now,
+                                generation=generation)
+            _record(rt, meta, raw_status, status, decision)
+            return OLD_CHILDREN_POLL_SECONDS
+        decision = reject(status, str(exc), now, generation=generation, reason=Reason.CHILD_CONFLICT)
+        _record(rt, meta, raw_status, status, decision)
+        _count_failures(namespace, name, decision)
+        return rt.config.reconcile_interval
     except ApiException as exc:
-        if exc.status != 422:
+        if not refused_for_good(exc):
             raise
-        # The API server refuses a child built from the spec (an extra volume, env or label it cannot
-        # carry): no retry can fix it, so the run fails with the server's words instead of looping.
+        # The API server refuses a child built from the spec (a value no admission rule caught, a quota,
+        # a webhook of the cluster): no retry can fix it, so the run fails with the server's words
+        # instead of looping.
         decision = reject(status, f"a child of the run was refused by the API server: {_api_message(exc)}",
-                          now, generation=generation)
+                          now, generation=generation, reason=Reason.CHILD_REJECTED)
         _record(rt, meta, raw_status, status, decision)
         _count_failures(namespace, name, decision)
         return rt.config.reconcile_interval
@@ -202,6 +252,46 @@ def _reconcile(rt: Runtime, body: dict[str, Any], children: Children) -> float:
     delay = decision.requeue_after
     interval = rt.config.reconcile_interval
     return max(MIN_REQUEUE_SECONDS, min(delay, interval) if delay is not None else interval)
+
+
+def refused_for_good(exc: ApiException) -> bool:
+    """A refusal of a child that no retry fixes: invalid (422), bad request (400), or forbidden (403) by
+    admission or quota. The operator's own missing RBAC (also 403) is retried: an admin fixes it."""
+    if exc.status in (400, 422):
+        return True
+    return exc.status == 403 and "cannot " not in _api_message(exc)
+
+
+class ChildConflictError(Exception):
+    """A child's name is taken by an object this run does not own."""
+
+    def __init__(self, kind: str, name: str, owner: tuple[str, str] | None, terminating: bool) -> None:
+        self.kind, self.name, self.owner, self.terminating = kind, name, owner, terminating
+        #: Owned by another GRPORun (an earlier run of this name, being garbage-collected), or going away.
+        self.of_earlier_run = terminating or (owner is not None and owner[0] == KIND)
+        if self.of_earlier_run:
+            whose = f"GRPORun uid {owner[1]}" if owner is not None else "no owner"
+            detail = f"belongs to an earlier run of this name ({whose}) and is being deleted; waiting for it to go"
+        elif owner is not None:
+            detail = f"exists and is controlled by a {owner[0]} (uid {owner[1]}), not by this run"
+        else:
+            detail = "exists and is not owned by this run; delete it or give the run another name"
+        super().__init__(f"{kind} {name} {detail}")
+
+
+def create_owned(rt: Runtime, run: GRPORun, obj: dict[str, Any]) -> None:
+    """Create a child; one that already exists is fine only when this run owns it (matched by uid)."""
+    if rt.kube.create_if_absent(obj):
+        return
+    kind, namespace, name = obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]
+    existing = rt.kube.read(kind, namespace, name)
+    if existing is None:
+        return  # gone since: created on the next reconcile
+    meta = existing.get("metadata") or {}
+    owner = owner_of(meta)
+    if owner is not None and owner == (KIND, run.metadata.uid or ""):
+        return
+    raise ChildConflictError(kind, name, owner, bool(meta.get("deletionTimestamp")))
 
 
 # -------------------------------------------------------------------------------------------- observe
@@ -233,6 +323,8 @@ def observe(
     initializer, initializer_message, progress = (
         initializer_state(rt, run, children) if status.phase == Phase.INITIALIZING else (TrainerState.ABSENT, "", None)
     )
+    attempt_running = status.phase in (Phase.STARTING_SERVER, Phase.TRAINING) and not run.spec.run_policy.suspend
+    missing, lost = child_losses(rt, run, children) if attempt_running else ((), ())
     return Observation(
         now=now,
         older_servers_alive=older,
@@ -245,7 +337,42 @@ def observe(
         initializer=initializer,
         initializer_message=initializer_message,
         initializer_progress=progress,
+        missing_children=missing,
+        lost_children=lost,
     )
+
+
+def child_losses(rt: Runtime, run: GRPORun, children: Children) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The provisioned children of a running attempt that are gone: (re-creatable ones, ones whose loss
+    ends the attempt). The index says what exists; a GET confirms an absence (the index may lag behind a
+    child created moments ago). The token Secret is read by name, every TOKEN_CHECK_SECONDS."""
+    namespace = run.metadata.namespace or "default"
+    uid = run.metadata.uid or ""
+    names = builders.child_names(run)
+
+    def gone(kind: str, name: str) -> bool:
+        return not children.has(kind, name) and rt.kube.read(kind, namespace, name) is None
+
+    lost: list[str] = []
+    missing: list[str] = []
+    if gone("ConfigMap", names.config):
+        lost.append(f"run-config ConfigMap {names.config}")
+    if builders.build_rewards_config_map(run) is not None and gone("ConfigMap", names.rewards):
+        missing.append(f"ConfigMap {names.rewards}")
+    if run.spec.storage.existing_claim is None and gone("PersistentVolumeClaim", names.data):
+        missing.append(f"PersistentVolumeClaim {names.data}")
+    if run.spec.mode == Mode.SERVER:
+        if gone("Service", names.server):
+            missing.append(f"Service {names.server}")
+        if rt.config.server_ingress is not None and gone("NetworkPolicy", names.server_network_policy):
+            missing.append(f"NetworkPolicy {names.server_network_policy}")
+        last = rt.token_seen.get(uid)
+        if last is None or time.monotonic() - last >= TOKEN_CHECK_SECONDS:
+            if rt.kube.read("Secret", namespace, names.token) is None:
+                lost.append(f"token Secret {names.token}")
+            else:
+                rt.token_seen[uid] = time.monotonic()
+    return tuple(missing), tuple(lost)
 
 
 def initializer_state(rt: Runtime, run: GRPORun, children: Children) -> tuple[TrainerState, str, str | None]:
@@ -378,11 +505,11 @@ def execute(rt: Runtime, run: GRPORun, children: Children, decision: Decision) -
                 provision(rt, run)
             case CreateInitializer():
                 if children.job(names.initializer) is None:
-                    rt.kube.create_if_absent(builders.build_initializer_job(run, rt.config.images))
+                    create_owned(rt, run, builders.build_initializer_job(run, rt.config.images))
             case EnsureServer(attempt=attempt, replicas=replicas):
                 desired = builders.build_server_deployment(run, attempt, replicas, rt.config.images)
                 if deployment is None:
-                    rt.kube.create_if_absent(desired)
+                    create_owned(rt, run, desired)
                 elif deployment.attempt != attempt or deployment.replicas != replicas:
                     rt.kube.patch_deployment(
                         namespace,
@@ -402,7 +529,7 @@ def execute(rt: Runtime, run: GRPORun, children: Children, decision: Decision) -
             case CreateTrainer(attempt=attempt):
                 if children.job(names.trainer(attempt)) is None:
                     job = builders.build_trainer_job(run, attempt, rt.config.images, placement(rt, run))
-                    rt.kube.create_if_absent(job)
+                    create_owned(rt, run, job)
             case DeleteTrainer(attempt=attempt):
                 rt.kube.delete_if_present("Job", namespace, names.trainer(attempt))
             case DeleteRun():
@@ -411,6 +538,8 @@ def execute(rt: Runtime, run: GRPORun, children: Children, decision: Decision) -
                 return True
             case Emit() | RequeueAfter():
                 pass  # events are posted once the status is recorded; requeues are returned
+            case _:
+                assert_never(action)
     return False
 
 
@@ -427,7 +556,7 @@ def provision(rt: Runtime, run: GRPORun) -> None:
             objects.append(builders.build_network_policy(run, rt.config.server_ingress))
     for obj in objects:
         if obj is not None:
-            rt.kube.create_if_absent(obj)
+            create_owned(rt, run, obj)
 
 
 # --------------------------------------------------------------------------------------------- record

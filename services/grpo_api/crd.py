@@ -54,6 +54,18 @@ def _encode(value: Any) -> Any:
     return value
 
 
+RULES = "x-kubernetes-validations"
+
+
+def _merged(target: dict[str, Any], field: dict[str, Any]) -> dict[str, Any]:
+    """A type's schema under a field's: the field's keys (description, default) win, CEL rules add up."""
+    rules = [*target.get(RULES, []), *field.get(RULES, [])]
+    node = {**target, **field}
+    if rules:
+        node[RULES] = rules
+    return node
+
+
 def _structural(node: Any, defs: dict[str, Any]) -> Any:
     """Rewrite one JSON-schema node (recursively) into a structural OpenAPI v3 node."""
     if isinstance(node, list):
@@ -63,11 +75,11 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     node = dict(node)
     if "$ref" in node:
         target = copy.deepcopy(defs[node.pop("$ref").split("/")[-1]])
-        node = {**target, **node}  # field-level keys (description, default, rules) win
+        node = _merged(target, node)
         return _structural(node, defs)
     if "allOf" in node and len(node["allOf"]) == 1:
         inner = node.pop("allOf")[0]
-        node = {**inner, **node}
+        node = _merged(inner, node)
         return _structural(node, defs)
     if "anyOf" in node:
         options = [o for o in node["anyOf"] if o.get("type") != "null"]
@@ -143,6 +155,28 @@ def spec_schema() -> dict[str, Any]:
     return spec
 
 
+def metadata_schema() -> dict[str, Any]:
+    """metadata.name, the one metadata field a CRD may restrict: the run's children are named after it.
+
+    The rule sits on the name itself, not at the root: an unchanged name is ratcheted, so a run admitted
+    before the rule existed can still have its status written."""
+    return {
+        "type": "object",
+        "properties": {
+            "name": {
+                "type": "string",
+                "maxLength": 253,
+                RULES: [
+                    {
+                        "rule": f"size(self) <= {m.MAX_RUN_NAME} && self.matches('{m.RUN_NAME_PATTERN}')",
+                        "message": m.RUN_NAME_MESSAGE,
+                    }
+                ],
+            }
+        },
+    }
+
+
 def status_schema() -> dict[str, Any]:
     status = _schema_of(m.GRPORunStatus)
     status["description"] = m.GRPORunStatus.__doc__
@@ -198,7 +232,7 @@ def build_crd() -> dict[str, Any]:
                             "properties": {
                                 "apiVersion": {"type": "string"},
                                 "kind": {"type": "string"},
-                                "metadata": {"type": "object"},
+                                "metadata": metadata_schema(),
                                 "spec": spec_schema(),
                                 "status": status_schema(),
                             },

@@ -57,6 +57,9 @@ from grpo_api.protocol import HealthResponse, TrainingProgress
 SERVER_POLL_SECONDS = 2.0
 INITIALIZER_POLL_SECONDS = 5.0
 TRAINER_POLL_SECONDS = 10.0
+#: How long the server of a running attempt may fail its health check before ServerReady turns false
+#: (a pod restart or a slow answer under load is not an outage).
+SERVER_HEALTH_GRACE_SECONDS = 30.0
 #: Events and condition messages stay short (events are capped at 1 KiB by convention).
 MAX_MESSAGE_CHARS = 1000
 
@@ -70,6 +73,13 @@ WARNING_REASONS = frozenset(
         Reason.DEADLINE_EXCEEDED,
         Reason.INVALID_SPEC,
         Reason.SOURCE_UNAVAILABLE,
+        Reason.CHILD_REJECTED,
+        Reason.CHILD_CONFLICT,
+        Reason.CHILD_DELETED,
+        Reason.CHILD_RESTORED,
+        Reason.WAITING_FOR_OLD_CHILDREN,
+        Reason.RECONCILE_ERROR,
+        Reason.SERVER_UNHEALTHY,
     }
 )
 
@@ -135,6 +145,13 @@ class Observation:
     initializer_message: str = ""
     #: Its latest progress line, if any.
     initializer_progress: str | None = None
+    #: Children the attempt needs that were deleted and can be created again as they were (e.g.
+    #: "Service r-server"): Provision re-creates them, with a Warning event.
+    missing_children: tuple[str, ...] = ()
+    #: Children that carry the attempt's state (its token Secret, its run-config) found deleted: running
+    #: pods keep their old copies, which new ones would not match, so the attempt ends and the next one
+    #: provisions them afresh.
+    lost_children: tuple[str, ...] = ()
 
 
 # ----------------------------------------------------------------------------------------- actions
@@ -257,6 +274,7 @@ def decide(
     """The new status and the actions that bring the world to it. Pure: same inputs, same outputs."""
     step = _Step(spec, status.model_copy(deep=True), observed)
     step.run()
+    step.actions = _one_server_action(step.actions)
     new = step.status
     new.observed_generation = generation
     if (new.phase, new.reason) != (status.phase, status.reason) and new.reason:
@@ -266,24 +284,74 @@ def decide(
     return Decision(status=new, actions=tuple(step.actions))
 
 
-def reject(
-    status: GRPORunStatus, message: str, now: dt.datetime, *, generation: int | None = None
-) -> Decision:
-    """A run whose spec cannot be used (it got past admission but not the models): Failed/InvalidSpec.
+def _one_server_action(actions: list[Action]) -> list[Action]:
+    """At most one action about the server per decision: the last one (a failed attempt asks for its own
+    server, then for the next attempt's; acting on both from one snapshot could flap the template)."""
+    server = [i for i, a in enumerate(actions) if isinstance(a, EnsureServer | StopServer | DeleteServer)]
+    return [a for i, a in enumerate(actions) if i not in server[:-1]]
 
-    A run that already finished keeps its outcome; nothing is created for a rejected run.
+
+def troubled(
+    spec: GRPORunSpec | None,
+    status: GRPORunStatus,
+    reason: Reason,
+    message: str,
+    now: dt.datetime,
+    *,
+    generation: int | None = None,
+) -> Decision:
+    """The executor could not carry out a decision (an unexpected error, a child of an earlier run of the
+    same name still going away): the recorded status stays, the Reconciled condition says why, and a
+    passed activeDeadlineSeconds still fails the run (deadlines apply whatever else goes wrong)."""
+    new = status.model_copy(deep=True)
+    actions: list[Action] = []
+    message = _truncate(message)
+    limit = spec.run_policy.active_deadline_seconds if spec is not None else None
+    start = new.start_time
+    if (
+        new.phase not in TERMINAL_PHASES
+        and limit is not None
+        and start is not None
+        and (now - start).total_seconds() >= limit
+    ):
+        new.phase = Phase.FAILED
+        new.reason = Reason.DEADLINE_EXCEEDED
+        new.message = _truncate(f"activeDeadlineSeconds ({limit}) passed on attempt {new.attempt} ({message})")
+        new.completion_time = now
+        new.server.ready = False
+        actions.append(Emit("Warning", Reason.DEADLINE_EXCEEDED, new.message))
+        new.conditions = set_condition(
+            new.conditions, ConditionType.FAILED, "True", Reason.DEADLINE_EXCEEDED, new.message, now, generation
+        )
+    new.conditions = set_condition(new.conditions, ConditionType.RECONCILED, "False", reason, message, now, generation)
+    new.observed_generation = generation
+    return Decision(status=new, actions=tuple(actions))
+
+
+def reject(
+    status: GRPORunStatus,
+    message: str,
+    now: dt.datetime,
+    *,
+    generation: int | None = None,
+    reason: Reason = Reason.INVALID_SPEC,
+) -> Decision:
+    """A run that cannot go on whatever is retried: Failed with this reason (InvalidSpec: the spec got past
+    admission but not the models; ChildRejected, ChildConflict: the API server refused a child).
+
+    A run that already finished keeps its outcome; nothing more is created for a rejected run.
     """
     new = status.model_copy(deep=True)
     actions: list[Action] = []
     if new.phase not in TERMINAL_PHASES:
         new.phase = Phase.FAILED
-        new.reason = Reason.INVALID_SPEC
+        new.reason = reason
         new.message = _truncate(message)
         new.completion_time = now
         new.server.ready = False
-        actions.append(Emit("Warning", Reason.INVALID_SPEC, new.message))
+        actions.append(Emit("Warning", reason, new.message))
         new.conditions = set_condition(
-            new.conditions, ConditionType.FAILED, "True", Reason.INVALID_SPEC, new.message, now, generation
+            new.conditions, ConditionType.FAILED, "True", reason, new.message, now, generation
         )
     new.observed_generation = generation
     return Decision(status=new, actions=tuple(actions))
@@ -399,6 +467,7 @@ class _Step:
         # The boot id stays recorded: the next server must show a different one.
         self.status.server.ready = False
         self.status.server.message = None  # the trouble of the old server is not the new one's
+        self.status.server.unhealthy_since = None
         if provision:
             self.actions.append(Provision())
         if self.server_mode:
@@ -473,8 +542,33 @@ class _Step:
     def keeps_server(self) -> bool:
         return self.server_mode and self.spec.run_policy.cleanup_policy == CleanupPolicy.KEEP_SERVER
 
+    def children_intact(self) -> bool:
+        """Lost children end the attempt (False); missing ones are created again, with an event."""
+        attempt = self.status.attempt
+        if self.obs.lost_children:
+            if self.obs.trainer == TrainerState.ACTIVE:
+                self.actions.append(DeleteTrainer(attempt))
+            self.attempt_failed(
+                Reason.CHILD_DELETED,
+                f"attempt {attempt}: {', '.join(self.obs.lost_children)} deleted mid-attempt; its running pods "
+                "keep the old copy, which new ones would not match, so the next attempt provisions it afresh",
+            )
+            return False
+        if self.obs.missing_children:
+            self.actions.append(Provision())
+            self.actions.append(
+                Emit(
+                    "Warning",
+                    Reason.CHILD_RESTORED,
+                    f"attempt {attempt}: {', '.join(self.obs.missing_children)} deleted mid-attempt; created again",
+                )
+            )
+        return True
+
     def await_server(self) -> None:
         attempt = self.status.attempt
+        if not self.children_intact():
+            return
         self.actions.append(EnsureServer(attempt, 1))
         self.status.server.message = _truncate(self.obs.server_message) or None
         started = self.status.attempt_started_at or self.now
@@ -529,6 +623,8 @@ class _Step:
 
     def watch_trainer(self) -> None:
         attempt = self.status.attempt
+        if not self.children_intact():
+            return
         if self.server_mode:
             self.actions.append(EnsureServer(attempt, 1))
             self.status.server.message = _truncate(self.obs.server_message) or None
@@ -554,11 +650,38 @@ class _Step:
             self.requeue_for_deadline()
 
     def record_server(self) -> None:
-        """Keep the adapter from the server's health; note a server that restarted under the trainer."""
+        """ServerReady follows the server's health for the whole attempt (after a grace period); keep the
+        adapter from its health; note a server that restarted under the trainer."""
         health = self.obs.health
-        if health is None or not health.healthy or health.body is None:
+        if health is None:
+            return
+        server = self.status.server
+        if not health.healthy or health.body is None:
+            since = server.unhealthy_since or self.now
+            server.unhealthy_since = since
+            down = (self.now - since).total_seconds()
+            if down >= SERVER_HEALTH_GRACE_SECONDS:
+                if server.ready:
+                    server.ready = False
+                    self.actions.append(
+                        Emit(
+                            "Warning",
+                            Reason.SERVER_UNHEALTHY,
+                            f"server of attempt {self.status.attempt} has failed its health check for "
+                            f"{down:.0f}s: {health.describe()}",
+                        )
+                    )
+                server.message = server.message or _truncate(f"health check: {health.describe()}")
+            self.actions.append(RequeueAfter(SERVER_POLL_SECONDS))
             return
         body = health.body
+        if server.unhealthy_since is not None and not server.ready:
+            self.actions.append(
+                Emit("Normal", Reason.SERVER_READY,
+                     f"server of attempt {self.status.attempt} answers its health check again")
+            )
+        server.unhealthy_since = None
+        server.ready = True
         if self.status.server.boot_id is not None and body.boot_id != self.status.server.boot_id:
             self.actions.append(
                 Emit(
@@ -676,7 +799,12 @@ def _conditions(
 
     put(ConditionType.SOURCES_READY, status.sources.ready, Reason.SOURCES_READY)
     if spec.mode == Mode.SERVER:
-        put(ConditionType.SERVER_READY, status.server.ready, Reason.SERVER_READY)
+        if phase == Phase.TRAINING and not status.server.ready:
+            # The server went away under a running trainer: say so, not the phase's reason.
+            conds = set_condition(conds, ConditionType.SERVER_READY, "False", Reason.SERVER_UNHEALTHY,
+                                  status.server.message or "the server fails its health check", now, generation)
+        else:
+            put(ConditionType.SERVER_READY, status.server.ready, Reason.SERVER_READY)
     put(ConditionType.TRAINER_RUNNING, phase == Phase.TRAINING, Reason.TRAINER_RUNNING)
     for type_, flag in (
         (ConditionType.SUSPENDED, phase == Phase.SUSPENDED),
@@ -685,6 +813,9 @@ def _conditions(
     ):
         if flag or get_condition(conds, type_) is not None:
             put(type_, flag, reason)
+    if get_condition(conds, ConditionType.RECONCILED) is not None:
+        conds = set_condition(conds, ConditionType.RECONCILED, "True", Reason.RECONCILED,
+                              "the last decision was carried out", now, generation)
     return conds
 
 

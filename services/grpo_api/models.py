@@ -11,11 +11,13 @@ validators so `grpo run` refuses the same specs before anything starts.
 from __future__ import annotations
 
 import datetime as dt
+import math
 import re
+from decimal import Decimal, localcontext
 from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 GROUP = "grpo.dev"
@@ -33,12 +35,32 @@ DEFAULT_TRAINER_IMAGE = "ghcr.io/grpo-dev/grpo-trainer:0.1.0"
 #: LoRA ranks vLLM can serve (`vllm/config/lora.py`).
 VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
-#: Quantity strings as Kubernetes accepts them ("10Gi", "500m", "1").
-QUANTITY_PATTERN = r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+|[KMGTPE]i?|[munkMGTPE]|m)?$"
+#: Quantity strings as Kubernetes parses them (resource.ParseQuantity: "10Gi", "500m", "1", "1e3"):
+#: a decimal number, then a binary suffix (Ki..Ei), a decimal one (n, u, m, k, M..E) or an exponent.
+#: ASCII classes only: the models' regex engine would take `\d` for any Unicode digit.
+_QUANTITY_NUMBER = r"([0-9]+[.]?[0-9]*|[.][0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?"
+QUANTITY_PATTERN = rf"^[+-]?{_QUANTITY_NUMBER}$"
+#: A quantity that is not negative (what pod resources, volume sizes and sizeLimits take).
+NONNEGATIVE_QUANTITY_PATTERN = rf"^[+]?{_QUANTITY_NUMBER}$"
+
+#: A run's children are named after it: "<run>-trainer-<attempt>" (a Job, whose name the Job controller
+#: also puts in a label value of at most 63 characters) and "<run>-server" (a Service: a DNS-1035 label).
+MAX_RUN_NAME = 48
+#: DNS-1035 label: what a Service name must be (lowercase alphanumerics and '-', starting with a letter).
+RUN_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+RUN_NAME_MESSAGE = (
+    f"metadata.name must start with a letter, hold only a-z, 0-9 and '-', end with a letter or digit and be "
+    f"at most {MAX_RUN_NAME} characters: the server Service and trainer Jobs are named after it"
+)
 
 
 def _cel(rule: str, message: str, **extra: str) -> dict[str, str]:
     return {"rule": rule, "message": message, **extra}
+
+
+def _rules(*rules: dict[str, str], **schema: Any) -> dict[str, Any]:
+    """json_schema_extra of a field: CEL rules (x-kubernetes-validations) plus other schema keys."""
+    return {"x-kubernetes-validations": [dict(r) for r in rules], **schema} if rules else dict(schema)
 
 
 class ApiModel(BaseModel):
@@ -57,31 +79,253 @@ class ApiModel(BaseModel):
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
 
 
-Quantity = Annotated[str | int, Field(description="A Kubernetes quantity such as 2, 500m or 16Gi.")]
+#: Environment variable names a container accepts (C identifiers; what every shell can export). Stricter
+#: than Kubernetes (1.34+ takes any printable ASCII but '=').
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+#: Names of Kubernetes objects (DNS-1123 subdomains) and of volumes and ports (DNS-1123 labels).
+#: No backslashes in these patterns: the CEL rules embed them in string literals.
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS_SUBDOMAIN = rf"{_DNS_LABEL}([.]{_DNS_LABEL})*"
+DNS_SUBDOMAIN_PATTERN = rf"^{_DNS_SUBDOMAIN}$"
+DNS_LABEL_PATTERN = rf"^{_DNS_LABEL}$"
+#: An optional object name: empty (unset) or a DNS-1123 subdomain.
+OPTIONAL_NAME_PATTERN = rf"^({_DNS_SUBDOMAIN})?$"
+#: ConfigMap and Secret keys (IsConfigMapKey: [-._a-zA-Z0-9]+, but not '.', '..' nor starting with '..').
+KEY_PATTERN = r"^[.]?[-_a-zA-Z0-9][-._a-zA-Z0-9]*$"
+#: Label and annotation keys, resource names (qualified names): [PREFIX/]NAME with PREFIX a DNS-1123
+#: subdomain of at most 253 characters (checked apart: a pattern cannot count it) and NAME at most 63
+#: characters of [-A-Za-z0-9_.] that start and end alphanumeric. A label value is such a NAME or empty.
+_QUALIFIED_NAME_PART = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+QUALIFIED_NAME_PATTERN = rf"^({_DNS_SUBDOMAIN}/)?{_QUALIFIED_NAME_PART}$"
+LABEL_VALUE_PATTERN = rf"^({_QUALIFIED_NAME_PART})?$"
+MAX_QUALIFIED_NAME_PREFIX = 253
+QUALIFIED_NAME_TEXT = (
+    "NAME or PREFIX/NAME: NAME at most 63 characters of a-z, A-Z, 0-9, '-', '_' and '.' that start and end "
+    "with a letter or digit, PREFIX a lowercase DNS subdomain of at most 253 characters"
+)
+
+
+def is_qualified_name(key: str) -> bool:
+    """A label key, annotation key or resource name as Kubernetes validates it (IsQualifiedName)."""
+    return re.fullmatch(QUALIFIED_NAME_PATTERN, key) is not None and key.find("/") <= MAX_QUALIFIED_NAME_PREFIX
+
+
+def qualified_name_cel(var: str) -> str:
+    """CEL: the string `var` is a qualified name (is_qualified_name)."""
+    return f"{var}.matches('{QUALIFIED_NAME_PATTERN}') && {var}.indexOf('/') <= {MAX_QUALIFIED_NAME_PREFIX}"
+
+
+def ObjectName(description: str) -> Any:
+    return Field(description=description, min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
+
+
+def OptionalName(description: str) -> Any:
+    """An optional reference to an object by name (a claim, a class, a ServiceAccount): unset, "" or a name."""
+    return Field(default=None, description=description, max_length=253, pattern=OPTIONAL_NAME_PATTERN)
+
+
+# ----------------------------------------------------------------------------------------- quantities
+
+_QUANTITY_PARTS = re.compile(
+    r"(?P<number>[+-]?([0-9]+[.]?[0-9]*|[.][0-9]+))(?P<suffix>[KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?"
+)
+_DECIMAL_SUFFIXES = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+_BINARY_SUFFIXES = {"Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40, "Pi": 50, "Ei": 60}
+_INT64 = 2**63
+
+
+def parse_quantity(value: str | int) -> Decimal | None:
+    """A Kubernetes quantity as an exact number (resource.ParseQuantity), None if it is not one."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return Decimal(value)
+    match = _QUANTITY_PARTS.fullmatch(value)
+    if match is None:
+        return None
+    suffix = match["suffix"] or ""
+    with localcontext() as ctx:
+        ctx.prec, ctx.Emax, ctx.Emin = 200, 10**6, -(10**6)
+        number = Decimal(match["number"])
+        if suffix in _BINARY_SUFFIXES:
+            return number * (Decimal(2) ** _BINARY_SUFFIXES[suffix])
+        exponent = _DECIMAL_SUFFIXES[suffix] if suffix in _DECIMAL_SUFFIXES else int(suffix[1:])
+        if abs(exponent) > 1000:  # Kubernetes keeps the exponent in 32 bits; nothing real comes near this
+            return None
+        return number.scaleb(exponent)
+
+
+def is_integer_quantity(value: Decimal) -> bool:
+    """CEL's quantity.isInteger(): whole, and an int64."""
+    return value == value.to_integral_value() and -_INT64 <= value < _INT64
+
+
+def _nonnegative_quantity(value: str | int) -> str | int:
+    number = parse_quantity(value)
+    if number is None or number < 0 or (isinstance(value, str) and value.startswith("-")):
+        raise ValueError(f"{value!r} is not a quantity such as 2, 500m or 16Gi (and not negative)")
+    return value
+
+
+Quantity = Annotated[
+    str | int,
+    AfterValidator(_nonnegative_quantity),
+    Field(
+        description="A Kubernetes quantity such as 2, 500m or 16Gi.",
+        json_schema_extra={"pattern": NONNEGATIVE_QUANTITY_PATTERN, "maxLength": 64, "minimum": 0},
+    ),
+]
+
+#: Resource names a container may request without a domain (validateContainerResourceName).
+CONTAINER_RESOURCES: tuple[str, ...] = ("cpu", "memory", "ephemeral-storage")
+HUGEPAGES_PREFIX = "hugepages-"
+RESOURCE_NAME_MESSAGE = (
+    "resource names must be cpu, memory, ephemeral-storage, hugepages-<size> or an extended resource "
+    "DOMAIN/NAME such as nvidia.com/gpu"
+)
+RESOURCE_VALUE_MESSAGE = (
+    "an extended resource (such as nvidia.com/gpu) takes a whole number, hugepages-<size> a multiple of <size>"
+)
+RESOURCE_LIMIT_MESSAGE = (
+    "every request must be at most its limit, and a request of an extended resource (such as nvidia.com/gpu) "
+    "or of hugepages needs a limit equal to it"
+)
+HUGEPAGES_MESSAGE = "hugepages need a cpu or memory request or limit"
+
+
+def _is_native_resource(name: str) -> bool:
+    return "/" not in name or "kubernetes.io/" in name
+
+
+def _overcommit_allowed(name: str) -> bool:
+    return _is_native_resource(name) and not name.startswith(HUGEPAGES_PREFIX)
+
+
+def _hugepage_size(name: str) -> int | None:
+    size = parse_quantity(name[len(HUGEPAGES_PREFIX):])
+    return int(size) if size is not None and size > 0 and is_integer_quantity(size) else None
+
+
+def is_container_resource_name(name: str) -> bool:
+    """What a container's requests and limits may name (validateContainerResourceName)."""
+    if name in CONTAINER_RESOURCES:
+        return True
+    if not is_qualified_name(name):
+        return False
+    if name.startswith(HUGEPAGES_PREFIX):
+        return _hugepage_size(name) is not None
+    if "/" not in name:
+        return False
+    # An extended resource: "requests.<name>" must still be a qualified name (ResourceQuota's form).
+    return "kubernetes.io/" in name or (not name.startswith("requests.") and name.find("/") <= 244)
+
+
+def _resource_value_ok(name: str, value: str | int) -> bool:
+    number = parse_quantity(value)
+    if number is None or _overcommit_allowed(name):
+        return True  # the value's own check names a bad quantity
+    if name.startswith(HUGEPAGES_PREFIX):
+        size = _hugepage_size(name)
+        return size is None or (is_integer_quantity(number) and int(number) % size == 0)
+    return is_integer_quantity(number)
+
+
+def _resources_cel(maps: str) -> str:
+    """CEL on a Resources object: every key of self.<maps> is a container resource name."""
+    k = "k"
+    size = f"{k}.substring({len(HUGEPAGES_PREFIX)})"
+    hugepages = (f"({k}.startsWith('{HUGEPAGES_PREFIX}') && isQuantity({size}) && quantity({size}).isInteger() "
+                 f"&& quantity({size}).isGreaterThan(quantity('0')))")
+    extended = (f"({k}.contains('/') && ({k}.contains('kubernetes.io/') || (!{k}.startsWith('requests.') && "
+                f"{k}.indexOf('/') <= 244)))")
+    names = ", ".join(f"'{r}'" for r in CONTAINER_RESOURCES)
+    return (f"!has(self.{maps}) || self.{maps}.all({k}, {k} in [{names}] || ({qualified_name_cel(k)} && "
+            f"({hugepages} || ({extended} && !{k}.startsWith('{HUGEPAGES_PREFIX}')))))")
+
+
+_NATIVE_CEL = "(!k.contains('/') || k.contains('kubernetes.io/'))"
+_OVERCOMMIT_CEL = f"({_NATIVE_CEL} && !k.startsWith('{HUGEPAGES_PREFIX}'))"
+
+
+def _resource_values_cel(maps: str) -> str:
+    size = f"quantity(k.substring({len(HUGEPAGES_PREFIX)}))"
+    value = f"quantity(string(self.{maps}[k]))"
+    hugepages = (f"(!isQuantity(k.substring({len(HUGEPAGES_PREFIX)})) || !{size}.isInteger() || "
+                 f"{size}.asInteger() <= 0 || ({value}.isInteger() && "
+                 f"{value}.asInteger() % {size}.asInteger() == 0))")
+    return (f"!has(self.{maps}) || self.{maps}.all(k, {_OVERCOMMIT_CEL} || "
+            f"(k.startsWith('{HUGEPAGES_PREFIX}') ? {hugepages} : {value}.isInteger()))")
+
+
+RESOURCES_RULES: list[dict[str, str]] = [
+    _cel(_resources_cel("requests"), RESOURCE_NAME_MESSAGE, fieldPath=".requests"),
+    _cel(_resources_cel("limits"), RESOURCE_NAME_MESSAGE, fieldPath=".limits"),
+    _cel(_resource_values_cel("requests"), RESOURCE_VALUE_MESSAGE, fieldPath=".requests"),
+    _cel(_resource_values_cel("limits"), RESOURCE_VALUE_MESSAGE, fieldPath=".limits"),
+    _cel(
+        "!has(self.requests) || self.requests.all(k, (has(self.limits) && k in self.limits) ? "
+        f"({_OVERCOMMIT_CEL} ? !quantity(string(self.requests[k])).isGreaterThan("
+        "quantity(string(self.limits[k]))) : quantity(string(self.requests[k])).compareTo("
+        f"quantity(string(self.limits[k]))) == 0) : {_OVERCOMMIT_CEL})",
+        RESOURCE_LIMIT_MESSAGE,
+    ),
+    _cel(
+        f"!((has(self.requests) && self.requests.exists(k, k.startsWith('{HUGEPAGES_PREFIX}'))) || "
+        f"(has(self.limits) && self.limits.exists(k, k.startsWith('{HUGEPAGES_PREFIX}')))) || "
+        "(has(self.requests) && ('cpu' in self.requests || 'memory' in self.requests)) || "
+        "(has(self.limits) && ('cpu' in self.limits || 'memory' in self.limits))",
+        HUGEPAGES_MESSAGE,
+    ),
+]
+
+
+def _resources_rules(schema: dict[str, Any]) -> None:
+    schema["x-kubernetes-validations"] = [dict(rule) for rule in RESOURCES_RULES]
 
 
 class Resources(ApiModel):
     """Compute resources of a container, as in a Pod spec."""
 
+    model_config = ConfigDict(json_schema_extra=_resources_rules)  # CEL beside the type it checks
+
     requests: dict[str, Quantity] = Field(
-        default_factory=dict, description="Minimum resources, e.g. {cpu: 4, memory: 32Gi}."
+        default_factory=dict, description="Minimum resources, e.g. {cpu: 4, memory: 32Gi}.",
+        json_schema_extra={"maxProperties": 16},
     )
     limits: dict[str, Quantity] = Field(
-        default_factory=dict, description="Maximum resources, e.g. {nvidia.com/gpu: 1, memory: 64Gi}."
+        default_factory=dict, description="Maximum resources, e.g. {nvidia.com/gpu: 1, memory: 64Gi}.",
+        json_schema_extra={"maxProperties": 16},
     )
 
+    @field_validator("requests", "limits")
+    @classmethod
+    def _names_and_values(cls, value: dict[str, str | int]) -> dict[str, str | int]:
+        if len(value) > 16:
+            raise ValueError("at most 16 resources")
+        for name, quantity in value.items():
+            if not is_container_resource_name(name):
+                raise ValueError(f"{name!r}: {RESOURCE_NAME_MESSAGE}")
+            if not _resource_value_ok(name, quantity):
+                raise ValueError(f"{name}: {quantity!r}: {RESOURCE_VALUE_MESSAGE}")
+        return value
 
-#: Environment variable names a container accepts (C identifiers; what every shell can export).
-ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
-#: Names of Kubernetes objects (DNS-1123 subdomains) and of volumes and ports (DNS-1123 labels).
-DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-#: ConfigMap and Secret keys.
-KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
-
-
-def ObjectName(description: str) -> Any:
-    return Field(description=description, min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
+    @model_validator(mode="after")
+    def _requests_fit_limits(self) -> Resources:
+        for name, request in self.requests.items():
+            if name not in self.limits:
+                if not _overcommit_allowed(name):
+                    raise ValueError(f"{name} has no limit: {RESOURCE_LIMIT_MESSAGE}")
+                continue
+            asked, limit = parse_quantity(request), parse_quantity(self.limits[name])
+            if asked is None or limit is None:
+                continue
+            if (asked > limit) if _overcommit_allowed(name) else (asked != limit):
+                raise ValueError(f"{name} request {request} against limit {self.limits[name]}: "
+                                 f"{RESOURCE_LIMIT_MESSAGE}")
+        names = {*self.requests, *self.limits}
+        if any(n.startswith(HUGEPAGES_PREFIX) for n in names) and not {"cpu", "memory"} & names:
+            raise ValueError(HUGEPAGES_MESSAGE)
+        return self
 
 
 class SecretKeySelector(ApiModel):
@@ -100,10 +344,24 @@ class ConfigMapKeySelector(ApiModel):
     optional: bool | None = Field(default=None, description="Start even when the ConfigMap or key is missing.")
 
 
+#: The pod fields an env variable may read (validateObjectFieldSelector with the downward API's v1 paths).
+FIELD_PATH_PATTERN = (
+    r"^(metadata[.](name|namespace|uid)|spec[.](nodeName|serviceAccountName)|status[.](hostIPs?|podIPs?)|"
+    rf"metadata[.](labels|annotations)\['({_DNS_SUBDOMAIN}/)?{_QUALIFIED_NAME_PART}'\])$"
+)
+
+
 class FieldSelector(ApiModel):
     """A field of the pod (metadata.name, metadata.namespace, spec.nodeName, status.podIP, ...)."""
 
-    field_path: str = Field(description="Path of the field, e.g. metadata.name.", min_length=1, max_length=256)
+    field_path: str = Field(
+        description="Path of the field: metadata.name, metadata.namespace, metadata.uid, spec.nodeName, "
+        "spec.serviceAccountName, status.hostIP(s), status.podIP(s), metadata.labels['KEY'] or "
+        "metadata.annotations['KEY'].",
+        min_length=1,
+        max_length=400,
+        pattern=FIELD_PATH_PATTERN,
+    )
 
 
 class EnvVarSource(ApiModel):
@@ -168,10 +426,10 @@ class ModelDType(StrEnum):
 #: pvc://CLAIM[/PATH] an existing claim in the run's namespace, hf://[ORG/]NAME[@REVISION] a Hugging
 #: Face repository fetched once per run, oci://REFERENCE an OCI image mounted read-only (image volume),
 #: configmap://NAME a ConfigMap in the run's namespace (datasets and reward code only).
-PVC_URI = r"pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/[-A-Za-z0-9_.@+=,/]*)?"
+PVC_URI = rf"pvc://{_DNS_SUBDOMAIN}(/[-A-Za-z0-9_.@+=,/]*)?"
 HF_URI = r"hf://([A-Za-z0-9][-A-Za-z0-9_.]{0,95}/)?[A-Za-z0-9][-A-Za-z0-9_.]{0,95}(@[-A-Za-z0-9_./]{1,256})?"
 OCI_URI = r"oci://[a-z0-9][-a-z0-9.]*(:[0-9]+)?(/[-a-z0-9_.]+)+(:[A-Za-z0-9_][-A-Za-z0-9_.]{0,127})?(@sha256:[a-f0-9]{64})?"
-CONFIGMAP_URI = r"configmap://[a-z0-9]([-a-z0-9.]*[a-z0-9])?"
+CONFIGMAP_URI = rf"configmap://{_DNS_SUBDOMAIN}"
 MODEL_SOURCE_PATTERN = f"^({PVC_URI}|{HF_URI}|{OCI_URI})$"
 DATASET_SOURCE_PATTERN = f"^({PVC_URI}|{HF_URI}|{OCI_URI}|{CONFIGMAP_URI})$"
 CODE_SOURCE_PATTERN = f"^({PVC_URI}|{OCI_URI}|{CONFIGMAP_URI})$"
@@ -394,7 +652,7 @@ REWARD_CODE_RULES = [
          "rewardCode needs exactly one of source or inline"),
     _cel(
         f"!has(self.inline) || self.inline.all(k, k.matches('{INLINE_MODULE_PATTERN}') && "
-        f"size(self.inline[k]) <= {MAX_INLINE_MODULE_BYTES})",
+        f"size(bytes(self.inline[k])) <= {MAX_INLINE_MODULE_BYTES})",
         f"rewardCode.inline keys must be module file names (NAME.py) and each module at most "
         f"{MAX_INLINE_MODULE_BYTES} bytes",
         fieldPath=".inline",
@@ -458,8 +716,10 @@ class LogprobsSource(StrEnum):
 #: Volume names the operator uses in its pods; extra volumes may not take them.
 RESERVED_VOLUMES: tuple[str, ...] = ("run-config", "data", "dshm", "token", "model-cache")
 RESERVED_VOLUME_PREFIX = "src-"
-#: Label prefixes the operator owns (selectors depend on them).
-RESERVED_LABEL_PREFIXES: tuple[str, ...] = ("grpo.dev/", "app.kubernetes.io/")
+#: Label prefixes the operator owns (selectors depend on them), and those the Job controller puts on the pods
+#: of the trainer and initializer Jobs (its selector matches them: another value would make the Job invalid).
+RESERVED_LABEL_PREFIXES: tuple[str, ...] = ("grpo.dev/", "app.kubernetes.io/", "batch.kubernetes.io/")
+RESERVED_LABELS: tuple[str, ...] = ("job-name", "controller-uid")
 #: Where the operator mounts its own things; extra mounts may not shadow them.
 RESERVED_MOUNT_PREFIXES: tuple[str, ...] = ("/etc/grpo", "/var/run/grpo", "/mnt/grpo", "/opt/grpo", "/dev/shm")
 
@@ -477,25 +737,115 @@ EXTRA_VOLUMES_SCHEMA: dict[str, Any] = {
 }
 
 
+#: A mount path: absolute and normalized (no empty, '.' or '..' element, no trailing '/'), without ':'
+#: (a mount path is unique in its container only as written, and the runtimes split on ':').
+MOUNT_PATH_PATTERN = r"^(/([^/:.][^/:]*|[.][^/:.][^/:]*|[.][.][^/:]+))+$"
+MOUNT_PATH_MESSAGE = (
+    "must be an absolute path without ':', '.' or '..' elements, '//' or a trailing '/', e.g. /data/cache"
+)
+RESERVED_MOUNT_MESSAGE = f"may not overlap a path the operator mounts ({', '.join(RESERVED_MOUNT_PREFIXES)})"
+#: CEL: the string `var` is no reserved mount path, nor inside one, nor above one.
+_NOT_RESERVED_CEL = (
+    "![" + ", ".join(f"'{p}'" for p in RESERVED_MOUNT_PREFIXES) + "].exists(p, {v} == p || "
+    "{v}.startsWith(p + '/') || p.startsWith({v}.endsWith('/') ? {v} : {v} + '/'))"
+)
+
+
+def _mount_path(value: str) -> str:
+    if not re.fullmatch(MOUNT_PATH_PATTERN, value):
+        raise ValueError(f"{value!r} {MOUNT_PATH_MESSAGE}")
+    return value
+
+
+def _unreserved_mount_path(value: str) -> str:
+    if _shadows(value):
+        raise ValueError(f"{value!r} {RESERVED_MOUNT_MESSAGE}")
+    return value
+
+
+#: An absolute mount path, as CEL and as a validator.
+MountPath = Annotated[
+    str,
+    AfterValidator(_mount_path),
+    Field(
+        min_length=2,
+        max_length=1024,
+        json_schema_extra=_rules(_cel(f"self.matches('{MOUNT_PATH_PATTERN}')", MOUNT_PATH_MESSAGE)),
+    ),
+]
+#: A mount path of the run's own volumes: also clear of the operator's mounts.
+VolumeMountPath = Annotated[
+    str,
+    AfterValidator(_mount_path),
+    AfterValidator(_unreserved_mount_path),
+    Field(
+        min_length=2,
+        max_length=1024,
+        json_schema_extra=_rules(
+            _cel(f"self.matches('{MOUNT_PATH_PATTERN}')", MOUNT_PATH_MESSAGE),
+            _cel(_NOT_RESERVED_CEL.format(v="self"), RESERVED_MOUNT_MESSAGE),
+        ),
+    ),
+]
+SUB_PATH_MESSAGE = "must be a relative path without '..' elements"
+
+
 class VolumeMount(ApiModel):
     """A mount of one of the extra volumes into the container."""
 
     name: str = Field(description="Name of the volume.", min_length=1, max_length=63, pattern=DNS_LABEL_PATTERN)
-    mount_path: str = Field(
-        description="Absolute path in the container.", min_length=2, max_length=1024, pattern=r"^/[^:]*$"
-    )
+    mount_path: MountPath = Field(description="Absolute path in the container.")
     sub_path: str | None = Field(
-        default=None, description="A sub-path of the volume (relative).", max_length=1024, pattern=r"^[^/].*$"
+        default=None, description="A sub-path of the volume (relative).", max_length=1024, pattern=r"^[^/].*$",
+        json_schema_extra=_rules(_cel(NO_DOTDOT_CEL, SUB_PATH_MESSAGE)),
     )
     read_only: bool = Field(default=False, description="Mount read-only.")
+
+    @field_validator("sub_path")
+    @classmethod
+    def _descending(cls, value: str | None) -> str | None:
+        if value is not None and _has_dotdot(value):
+            raise ValueError(f"{value!r} {SUB_PATH_MESSAGE}")
+        return value
+
+
+#: Label values, node selector values and toleration values.
+LabelValue = Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]
+LABEL_KEYS_MESSAGE = f"keys must be label keys: {QUALIFIED_NAME_TEXT}"
+ANNOTATION_KEYS_MESSAGE = f"keys must be annotation keys: {QUALIFIED_NAME_TEXT}"
+#: The Kubernetes limit on a pod's annotations (keys and values, in bytes), less room for the operator's own.
+MAX_POD_ANNOTATIONS_BYTES = 256 * 1024 - 1024
+#: Characters in one annotation value (bounds the cost of the size rule the API server estimates).
+MAX_ANNOTATION_VALUE = 65536
+ANNOTATIONS_SIZE_MESSAGE = f"keys and values together may hold at most {MAX_POD_ANNOTATIONS_BYTES} bytes"
+LABEL_KEYS_RULE = _cel(f"self.all(k, {qualified_name_cel('k')})", LABEL_KEYS_MESSAGE)
+ANNOTATION_RULES = [
+    _cel(f"self.all(k, {qualified_name_cel('k')})", ANNOTATION_KEYS_MESSAGE),
+    _cel(f"self.map(k, size(bytes(k)) + size(bytes(self[k]))).sum() <= {MAX_POD_ANNOTATIONS_BYTES}",
+         ANNOTATIONS_SIZE_MESSAGE),
+]
+
+
+def _label_keys(value: dict[str, str], message: str = LABEL_KEYS_MESSAGE) -> dict[str, str]:
+    bad = [k for k in value if not is_qualified_name(k)]
+    if bad:
+        raise ValueError(f"{bad[0]!r}: {message}")
+    return value
+
+
+def _annotations(value: dict[str, str]) -> dict[str, str]:
+    _label_keys(value, ANNOTATION_KEYS_MESSAGE)
+    if sum(len(k.encode()) + len(v.encode()) for k, v in value.items()) > MAX_POD_ANNOTATIONS_BYTES:
+        raise ValueError(ANNOTATIONS_SIZE_MESSAGE)
+    return value
 
 
 def _check_pod_settings(
     section: str, pod_labels: dict[str, str], volumes: list[dict[str, Any]], mounts: list[VolumeMount]
 ) -> None:
     for key in pod_labels:
-        if key.startswith(RESERVED_LABEL_PREFIXES):
-            raise ValueError(f"{section}.podLabels: {key!r} is set by the operator")
+        if key.startswith(RESERVED_LABEL_PREFIXES) or key in RESERVED_LABELS:
+            raise ValueError(f"{section}.podLabels: {key!r} is set by the operator or the Job controller")
     names: list[str] = []
     for index, volume in enumerate(volumes):
         name = volume.get("name") if isinstance(volume, dict) else None
@@ -514,8 +864,11 @@ def _check_pod_settings(
                 f"{section}.volumeMounts[{index}].mountPath {mount.mount_path!r} overlaps a path the operator "
                 f"mounts ({', '.join(RESERVED_MOUNT_PREFIXES)})"
             )
-        if mount.sub_path is not None and _has_dotdot(mount.sub_path):
-            raise ValueError(f"{section}.volumeMounts[{index}].subPath may not hold '..'")
+        if any(m.mount_path == mount.mount_path for m in mounts[:index]):
+            raise ValueError(f"{section}.volumeMounts[{index}].mountPath {mount.mount_path!r} {MOUNT_PATHS_UNIQUE}")
+
+
+MOUNT_PATHS_UNIQUE = "each mountPath may be used once in a container"
 
 
 def _shadows(path: str) -> bool:
@@ -532,13 +885,15 @@ class PodSettings(ApiModel):
     #: The spec section these settings belong to, for messages.
     section: ClassVar[str] = "pod"
 
-    pod_labels: dict[str, str] = Field(
+    pod_labels: dict[str, LabelValue] = Field(
         default_factory=dict,
-        description="Extra labels of the pods (not grpo.dev/* nor app.kubernetes.io/*, which the operator sets).",
-        json_schema_extra={"maxProperties": 64},
+        description="Extra labels of the pods (not grpo.dev/* nor app.kubernetes.io/*, which the operator sets, "
+        "nor batch.kubernetes.io/*, job-name or controller-uid, which the Job controller sets).",
+        json_schema_extra=_rules(LABEL_KEYS_RULE, maxProperties=64),
     )
-    pod_annotations: dict[str, str] = Field(
-        default_factory=dict, description="Extra annotations of the pods.", json_schema_extra={"maxProperties": 64}
+    pod_annotations: dict[str, Annotated[str, Field(max_length=MAX_ANNOTATION_VALUE)]] = Field(
+        default_factory=dict, description="Extra annotations of the pods.",
+        json_schema_extra=_rules(*ANNOTATION_RULES, maxProperties=64),
     )
     volumes: list[dict[str, Any]] = Field(
         default_factory=list,
@@ -551,6 +906,15 @@ class PodSettings(ApiModel):
         default_factory=list, description="Mounts of extra volumes into the container.", max_length=32
     )
 
+    @field_validator("pod_labels")
+    @classmethod
+    def _label_keys(cls, value: dict[str, str]) -> dict[str, str]:
+        return _label_keys(value)
+
+    @field_validator("pod_annotations")
+    @classmethod
+    def _annotation_keys(cls, value: dict[str, str]) -> dict[str, str]:
+        return _annotations(value)
 
     @model_validator(mode="after")
     def _pod_settings(self) -> PodSettings:
@@ -561,10 +925,12 @@ class PodSettings(ApiModel):
 def pod_rules(section: str) -> list[dict[str, str]]:
     reserved = ", ".join(f"'{v}'" for v in RESERVED_VOLUMES)
     prefixes = " || ".join(f"k.startsWith('{p}')" for p in RESERVED_LABEL_PREFIXES)
+    names = ", ".join(f"'{n}'" for n in RESERVED_LABELS)
     return [
         _cel(
-            f"!has(self.podLabels) || !self.podLabels.exists(k, {prefixes})",
-            f"{section}.podLabels may not set grpo.dev/* or app.kubernetes.io/* labels (the operator's)",
+            f"!has(self.podLabels) || !self.podLabels.exists(k, {prefixes} || k in [{names}])",
+            f"{section}.podLabels may not set grpo.dev/* or app.kubernetes.io/* labels (the operator's), nor "
+            f"batch.kubernetes.io/*, {', '.join(RESERVED_LABELS)} (the Job controller's)",
             fieldPath=".podLabels",
         ),
         _cel(
@@ -573,6 +939,17 @@ def pod_rules(section: str) -> list[dict[str, str]]:
             f"{section}.volumes may not use the operator's volume names ({', '.join(RESERVED_VOLUMES)}, "
             f"{RESERVED_VOLUME_PREFIX}*)",
             fieldPath=".volumes",
+        ),
+        _cel(
+            "!has(self.volumes) || self.volumes.all(v, self.volumes.exists_one(w, w.name == v.name))",
+            f"{section}.volumes names must be unique",
+            fieldPath=".volumes",
+        ),
+        _cel(
+            "!has(self.volumeMounts) || self.volumeMounts.all(m, self.volumeMounts.exists_one(n, "
+            "n.mountPath == m.mountPath))",
+            f"{section}.volumeMounts: {MOUNT_PATHS_UNIQUE}",
+            fieldPath=".volumeMounts",
         ),
         _cel(
             "!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) && "
@@ -591,6 +968,28 @@ def pod_rules(section: str) -> list[dict[str, str]]:
     ]
 
 
+#: Container images, as distribution/reference parses them: [HOST[:PORT]/]PATH[:TAG][@DIGEST], PATH of
+#: lowercase components (IPv6 hosts left out). No backslashes: the CEL rule embeds it.
+_IMAGE_COMPONENT = r"[a-z0-9]+(([._]|__|[-]+)[a-z0-9]+)*"
+_IMAGE_HOST_PART = r"([a-zA-Z0-9]|[a-zA-Z0-9][-a-zA-Z0-9]*[a-zA-Z0-9])"
+IMAGE_PATTERN = (
+    rf"^({_IMAGE_HOST_PART}([.]{_IMAGE_HOST_PART})*(:[0-9]+)?/)?{_IMAGE_COMPONENT}(/{_IMAGE_COMPONENT})*"
+    r"(:[A-Za-z0-9_][-A-Za-z0-9_.]{0,127})?(@[A-Za-z][A-Za-z0-9]*([-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$"
+)
+IMAGE_MESSAGE = "must be an image reference such as registry.example.com:5000/team/image:tag or image@sha256:<hex>"
+IMAGE_RULE = _cel(f"self.matches('{IMAGE_PATTERN}')", IMAGE_MESSAGE)
+
+
+def _image(value: str | None) -> str | None:
+    if value is not None and not re.fullmatch(IMAGE_PATTERN, value):
+        raise ValueError(f"{value!r} {IMAGE_MESSAGE}")
+    return value
+
+
+#: The server's health path: an absolute URL path (no query, fragment or space).
+HEALTH_PATH_PATTERN = r"^/[-A-Za-z0-9._~!$&()*+,;=:@%/]*$"
+
+
 def _gpu_resources() -> Resources:
     return Resources(requests={"cpu": "4", "memory": "32Gi"}, limits={"nvidia.com/gpu": 1, "memory": "64Gi"})
 
@@ -604,6 +1003,7 @@ class ServerSpec(PodSettings):
         default=None,
         description="Server container image; default: the operator's (the chart's runImages.server).",
         max_length=512,
+        json_schema_extra=_rules(IMAGE_RULE),
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="Image pull policy."
@@ -645,14 +1045,21 @@ class ServerSpec(PodSettings):
         description="Extra vLLM engine arguments (AsyncEngineArgs field names).",
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
     )
-    health_path: str = Field(default="/health/", description="Health endpoint path used by probes and gates.")
+    health_path: str = Field(
+        default="/health/", description="Health endpoint path used by probes and gates.", max_length=256,
+        pattern=HEALTH_PATH_PATTERN,
+    )
     authenticate_generation: bool = Field(
         default=False, description="Require the run's bearer token on generation endpoints too."
     )
     shm_size: str = Field(
-        default="8Gi", description="Size of the /dev/shm memory volume.", pattern=QUANTITY_PATTERN
+        default="8Gi", description="Size of the /dev/shm memory volume.", max_length=64,
+        pattern=NONNEGATIVE_QUANTITY_PATTERN,
     )
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.", max_length=64)
+
+    _check_image = field_validator("image")(_image)
+
     @model_validator(mode="after")
     def _rank_supported(self) -> ServerSpec:
         if self.max_lora_rank not in VLLM_LORA_RANKS:
@@ -782,6 +1189,7 @@ class TrainerSpec(PodSettings):
         description="Trainer (and initializer) container image; default: the operator's (the chart's "
         "runImages.trainer).",
         max_length=512,
+        json_schema_extra=_rules(IMAGE_RULE),
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="Image pull policy."
@@ -844,6 +1252,9 @@ class TrainerSpec(PodSettings):
     )
     metrics_port: int = Field(default=9400, ge=1, le=65535, description="Port of the trainer's /metrics.")
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.", max_length=64)
+
+    _check_image = field_validator("image")(_image)
+
     @property
     def generation_batch_size(self) -> int:
         return self.per_device_batch_size * self.gradient_accumulation_steps
@@ -858,11 +1269,16 @@ class TrainerSpec(PodSettings):
         return self
 
 
+STORAGE_SIZE_MESSAGE = "storage.size must be a quantity greater than zero, e.g. 20Gi"
+ACCESS_MODES_MESSAGE = "ReadWriteOncePod cannot be combined with other access modes"
+MODEL_CACHE_MOUNT_MESSAGE = "storage.modelCache.mountPath must differ from storage.mountPath"
+
+
 class VolumeClaimSpec(ApiModel):
     """An existing PersistentVolumeClaim to mount."""
 
-    existing_claim: str = Field(description="Name of the claim.", min_length=1, max_length=253)
-    mount_path: str = Field(default="/models", description="Where it is mounted in the containers.")
+    existing_claim: str = ObjectName("Name of the claim.")
+    mount_path: VolumeMountPath = Field(default="/models", description="Where it is mounted in the containers.")
 
 
 AccessMode = Literal["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod", "ReadOnlyMany"]
@@ -877,24 +1293,47 @@ class StorageSpec(ApiModel):
 
     existing_claim: str | None = Field(
         default=None, description="Use this PersistentVolumeClaim (it must allow the server and trainer pods).",
-        max_length=253,
+        min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN,
     )
     size: str | None = Field(
-        default=None, description="Create a claim of this size for the run.", pattern=QUANTITY_PATTERN
+        default=None, description="Create a claim of this size for the run.", max_length=64,
+        pattern=NONNEGATIVE_QUANTITY_PATTERN,
+        json_schema_extra=_rules(_cel("quantity(self).isGreaterThan(quantity('0'))", STORAGE_SIZE_MESSAGE)),
     )
-    storage_class_name: str | None = Field(default=None, description="Storage class of a created claim.")
+    storage_class_name: str | None = OptionalName("Storage class of a created claim (\"\": none, no provisioning).")
     access_modes: list[AccessMode] = Field(
-        default_factory=_rwo, description="Access modes of a created claim.", max_length=4
+        default_factory=_rwo, description="Access modes of a created claim.", min_length=1, max_length=4,
+        json_schema_extra=_rules(
+            _cel("!self.exists(m, m == 'ReadWriteOncePod') || self.all(m, m == 'ReadWriteOncePod')",
+                 ACCESS_MODES_MESSAGE)
+        ),
     )
-    mount_path: str = Field(default="/data", description="Where the volume is mounted in the containers.")
+    mount_path: VolumeMountPath = Field(default="/data", description="Where the volume is mounted in the containers.")
     model_cache: VolumeClaimSpec | None = Field(
         default=None, description="Optional claim holding model weights (mounted read-only, HF_HOME)."
     )
+
+    @field_validator("access_modes")
+    @classmethod
+    def _alone(cls, value: list[str]) -> list[str]:
+        if "ReadWriteOncePod" in value and set(value) != {"ReadWriteOncePod"}:
+            raise ValueError(ACCESS_MODES_MESSAGE)
+        return value
+
+    @field_validator("size")
+    @classmethod
+    def _positive(cls, value: str | None) -> str | None:
+        number = parse_quantity(value) if value is not None else None
+        if value is not None and (number is None or number <= 0):
+            raise ValueError(f"{value!r}: {STORAGE_SIZE_MESSAGE}")
+        return value
 
     @model_validator(mode="after")
     def _one_source(self) -> StorageSpec:
         if (self.existing_claim is None) == (self.size is None):
             raise ValueError("storage needs exactly one of existingClaim or size")
+        if self.model_cache is not None and self.model_cache.mount_path == self.mount_path:
+            raise ValueError(MODEL_CACHE_MOUNT_MESSAGE)
         return self
 
 
@@ -944,7 +1383,9 @@ class RunPolicy(ApiModel):
         default=None, ge=1, description="Fail the run (DeadlineExceeded) after this long since it started."
     )
     server_ready_timeout_seconds: int = Field(
-        default=1200, ge=1, description="Fail the attempt (ServerNotReady) if the server is not healthy by then."
+        # The server Deployment's progressDeadlineSeconds is this plus 60, an int32.
+        default=1200, ge=1, le=2**31 - 1 - 60,
+        description="Fail the attempt (ServerNotReady) if the server is not healthy by then.",
     )
     ttl_seconds_after_finished: int | None = Field(
         default=None, ge=0, description="Delete the run this long after it succeeded or failed."
@@ -960,32 +1401,74 @@ class RunPolicy(ApiModel):
     )
 
 
+TOLERATION_KEY_MESSAGE = f"a toleration key must be a label key: {QUALIFIED_NAME_TEXT}"
+TOLERATION_RULES: list[dict[str, str]] = [
+    _cel("(has(self.key) && size(self.key) > 0) || (has(self.operator) && self.operator == 'Exists')",
+         "a toleration without a key must have operator Exists (it then tolerates every taint)"),
+    _cel("!has(self.operator) || self.operator != 'Exists' || !has(self.value) || size(self.value) == 0",
+         "a toleration with operator Exists takes no value"),
+    _cel("!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+         "tolerationSeconds applies only with effect NoExecute"),
+]
+
+
+def _toleration_rules(schema: dict[str, Any]) -> None:
+    schema["x-kubernetes-validations"] = [dict(rule) for rule in TOLERATION_RULES]
+
+
 class Toleration(ApiModel):
     """A Pod toleration."""
 
-    key: str | None = Field(default=None, description="Taint key.")
+    model_config = ConfigDict(json_schema_extra=_toleration_rules)  # CEL beside the type it checks
+
+    key: str | None = Field(
+        default=None, description="Taint key.", max_length=317,
+        json_schema_extra=_rules(_cel(f"size(self) == 0 || ({qualified_name_cel('self')})", TOLERATION_KEY_MESSAGE)),
+    )
     operator: Literal["Exists", "Equal"] | None = Field(default=None, description="Exists or Equal.")
-    value: str | None = Field(default=None, description="Taint value.")
+    value: LabelValue | None = Field(default=None, description="Taint value.")
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         default=None, description="Taint effect."
     )
     toleration_seconds: int | None = Field(default=None, description="How long a NoExecute taint is tolerated.")
 
+    @field_validator("key")
+    @classmethod
+    def _label_key(cls, value: str | None) -> str | None:
+        if value and not is_qualified_name(value):
+            raise ValueError(f"{value!r}: {TOLERATION_KEY_MESSAGE}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Toleration:
+        if not self.key and self.operator != "Exists":
+            raise ValueError(TOLERATION_RULES[0]["message"])
+        if self.operator == "Exists" and self.value:
+            raise ValueError(TOLERATION_RULES[1]["message"])
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError(TOLERATION_RULES[2]["message"])
+        return self
+
 
 class SchedulingSpec(ApiModel):
     """Where the server and trainer pods may run."""
 
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the pods require.")
-    tolerations: list[Toleration] = Field(default_factory=list, description="Taints the pods tolerate.")
+    node_selector: dict[str, LabelValue] = Field(
+        default_factory=dict, description="Node labels the pods require.",
+        json_schema_extra=_rules(LABEL_KEYS_RULE, maxProperties=64),
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, description="Taints the pods tolerate.", max_length=64
+    )
     affinity: dict[str, Any] = Field(
         default_factory=dict,
         description="Pod affinity (core/v1 Affinity).",
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
     )
-    priority_class_name: str | None = Field(default=None, description="PriorityClass of the pods.")
-    runtime_class_name: str | None = Field(default=None, description="RuntimeClass of the pods.")
-    service_account_name: str | None = Field(
-        default=None, description="ServiceAccount of the pods; default is the namespace's default."
+    priority_class_name: str | None = OptionalName("PriorityClass of the pods.")
+    runtime_class_name: str | None = OptionalName("RuntimeClass of the pods.")
+    service_account_name: str | None = OptionalName(
+        "ServiceAccount of the pods; default is the namespace's default."
     )
     image_pull_secrets: list[Annotated[str, Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)]] = Field(
         default_factory=list,
@@ -993,11 +1476,21 @@ class SchedulingSpec(ApiModel):
         max_length=16,
     )
 
+    @field_validator("node_selector")
+    @classmethod
+    def _label_keys(cls, value: dict[str, str]) -> dict[str, str]:
+        return _label_keys(value)
 
-IMMUTABLE = "{field} cannot change after the run is created"
+
+STORAGE_MOUNTS_TAKEN = "a mountPath may not be that of spec.storage or spec.storage.modelCache"
+IMMUTABLE = "spec.{field} cannot change after the run is created"
+PRESENCE = "spec.{field} cannot be added or removed after the run is created"
+#: The spec sections that cannot change after the run is created (in value, and in presence).
+IMMUTABLE_FIELDS: list[str] = []
 
 
 def _immutable(field: str) -> dict[str, Any]:
+    IMMUTABLE_FIELDS.append(field)
     return {"x-kubernetes-validations": [_cel("self == oldSelf", IMMUTABLE.format(field=field))]}
 
 
@@ -1057,6 +1550,13 @@ class GRPORunSpec(ApiModel):
                 "storage.accessModes: ReadWriteOncePod lets one pod mount the volume, but server mode runs a "
                 "server and a trainer on it; use ReadWriteOnce (same node) or ReadWriteMany"
             )
+        taken = {self.storage.mount_path, *([self.storage.model_cache.mount_path] if self.storage.model_cache else [])}
+        sections: list[ServerSpec | TrainerSpec] = [s for s in (self.server, self.trainer) if s is not None]
+        for section in sections:
+            for index, mount in enumerate(section.volume_mounts):
+                if mount.mount_path in taken:
+                    raise ValueError(f"{section.section}.volumeMounts[{index}].mountPath {mount.mount_path!r}: "
+                                     f"{STORAGE_MOUNTS_TAKEN}")
         if self.mode == Mode.SERVER:
             server = self.effective_server
             if self.trainer.lora.r > server.max_lora_rank:
@@ -1095,6 +1595,22 @@ SPEC_RULES: list[dict[str, str]] = [
         "server and a trainer on it; use ReadWriteOnce (same node) or ReadWriteMany",
         fieldPath=".storage.accessModes",
     ),
+    *(
+        _cel(
+            f"!has(self.{section}) || !has(self.{section}.volumeMounts) || !has(self.storage) || "
+            f"self.{section}.volumeMounts.all(m, (!has(self.storage.mountPath) || m.mountPath != "
+            "self.storage.mountPath) && (!has(self.storage.modelCache) || !has(self.storage.modelCache.mountPath) "
+            "|| m.mountPath != self.storage.modelCache.mountPath))",
+            f"spec.{section}.volumeMounts: {STORAGE_MOUNTS_TAKEN}",
+            fieldPath=f".{section}.volumeMounts",
+        )
+        for section in ("server", "trainer")
+    ),
+    # A transition rule on a section (self == oldSelf) does not run when the section is added or removed.
+    *(
+        _cel(f"has(self.{field}) == has(oldSelf.{field})", PRESENCE.format(field=field), fieldPath=f".{field}")
+        for field in IMMUTABLE_FIELDS
+    ),
 ]
 
 TRAINER_RULES: list[dict[str, str]] = [
@@ -1123,6 +1639,12 @@ STORAGE_RULES: list[dict[str, str]] = [
     _cel(
         "has(self.existingClaim) != has(self.size)",
         "storage needs exactly one of existingClaim or size",
+    ),
+    _cel(
+        "!has(self.modelCache) || !has(self.mountPath) || !has(self.modelCache.mountPath) || "
+        "self.modelCache.mountPath != self.mountPath",
+        MODEL_CACHE_MOUNT_MESSAGE,
+        fieldPath=".modelCache.mountPath",
     ),
 ]
 
@@ -1163,6 +1685,22 @@ class Reason(StrEnum):
     RESUMED = "Resumed"
     COMPLETED = "Completed"
     INVALID_SPEC = "InvalidSpec"
+    #: A child object the run needs was refused by the API server (a value no admission rule caught,
+    #: a quota, a webhook of the cluster): no retry fixes it.
+    CHILD_REJECTED = "ChildRejected"
+    #: A child's name is taken by an object this run does not own (not one of a dying earlier run).
+    CHILD_CONFLICT = "ChildConflict"
+    #: A child that carries the attempt's state (token Secret, run-config) was deleted mid-attempt.
+    CHILD_DELETED = "ChildDeleted"
+    #: A child the run needs was deleted mid-attempt and has been created again.
+    CHILD_RESTORED = "ChildRestored"
+    #: The children of an earlier run of the same name are still being deleted.
+    WAITING_FOR_OLD_CHILDREN = "WaitingForOldChildren"
+    #: A reconcile failed unexpectedly; it is retried with backoff.
+    RECONCILE_ERROR = "ReconcileError"
+    RECONCILED = "Reconciled"
+    #: The server stopped answering its health check mid-attempt for longer than the grace period.
+    SERVER_UNHEALTHY = "ServerUnhealthy"
 
 
 class ConditionType(StrEnum):
@@ -1172,6 +1710,8 @@ class ConditionType(StrEnum):
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
     SUSPENDED = "Suspended"
+    #: The operator could carry out its last decision (present once a reconcile first failed or waited).
+    RECONCILED = "Reconciled"
 
 
 class Condition(ApiModel):
@@ -1198,6 +1738,11 @@ class ServerStatus(ApiModel):
         description="Trouble with the attempt's server pod, if any (Unschedulable, ImagePullBackOff, "
         "CrashLoopBackOff, a non-zero exit), as the operator last saw it.",
     )
+    unhealthy_since: dt.datetime | None = Field(
+        default=None,
+        description="Since when the server of the running attempt has failed its health check; ready turns "
+        "false once that lasts longer than the grace period.",
+    )
 
 
 class SourcesStatus(ApiModel):
@@ -1219,12 +1764,31 @@ class AdapterStatus(ApiModel):
     loaded_at: dt.datetime | None = Field(default=None, description="When the server loaded it.")
 
 
+#: Significant digits of status.progress.rewardMean.
+REWARD_DIGITS = 4
+
+
+def round_reward(value: float) -> float:
+    """value to REWARD_DIGITS significant digits (0.8234567 -> 0.8235, 1234.5678 -> 1235.0)."""
+    return float(f"{value:.{REWARD_DIGITS}g}") if math.isfinite(value) else value
+
+
 class ProgressStatus(ApiModel):
     """Training progress as the trainer reports it."""
 
     step: int = Field(default=0, description="Optimizer steps completed.")
     max_steps: int = Field(default=0, description="Optimizer steps to train.")
-    reward_mean: float | None = Field(default=None, description="Mean total reward of the latest step.")
+    reward_mean: float | None = Field(
+        default=None,
+        description=f"Mean total reward of the latest step, to {REWARD_DIGITS} significant digits (the "
+        "Reward column of kubectl get; the trainer's metrics keep every digit).",
+    )
+
+    @field_validator("reward_mean")
+    @classmethod
+    def _short(cls, value: float | None) -> float | None:
+        """kubectl prints a number column with every digit it has: keep the status short."""
+        return None if value is None else round_reward(value)
 
 
 class GRPORunStatus(ApiModel):
@@ -1270,6 +1834,14 @@ class ObjectMeta(ApiModel):
 
     name: str = Field(default="run", description="Run name.")
     namespace: str | None = Field(default=None, description="Namespace.")
+
+    @field_validator("name")
+    @classmethod
+    def _names_children(cls, value: str) -> str:
+        if len(value) > MAX_RUN_NAME or not re.fullmatch(RUN_NAME_PATTERN, value):
+            raise ValueError(f"{value!r}: {RUN_NAME_MESSAGE}")
+        return value
+
     uid: str | None = Field(default=None, description="UID.")
     generation: int | None = Field(default=None, description="Generation.")
     labels: dict[str, str] = Field(default_factory=dict, description="Labels.")

@@ -22,6 +22,7 @@ ENV_METRICS_PORT = "GRPO_TRAINER_METRICS_PORT"
 METRIC_NAMES: tuple[str, ...] = (
     "grpo_trainer_step",
     "grpo_trainer_max_steps",
+    "grpo_trainer_step_seconds",
     "grpo_trainer_reward_mean",
     "grpo_trainer_reward_std",
     "grpo_trainer_reward_function_mean",
@@ -83,6 +84,8 @@ DISCARD_REASONS: tuple[str, ...] = get_args(DiscardReason)
 SYNC_FAILURE_REASONS = (*ADAPTER_REFUSALS, "unconfirmed", "unreachable")
 _SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _STEP_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+#: One optimizer step: under a second for the tiny CPU model, up to many minutes for long completions.
+_STEP_SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600)
 
 
 class TrainerMetrics:
@@ -93,6 +96,12 @@ class TrainerMetrics:
         r = self.registry
         self.step = Gauge("grpo_trainer_step", "Optimizer steps completed.", registry=r)
         self.max_steps = Gauge("grpo_trainer_max_steps", "Optimizer steps to train.", registry=r)
+        self.step_seconds = Histogram(
+            "grpo_trainer_step_seconds",
+            "Wall time of one optimizer step: generation (or waiting for a prefetched batch), rewards, "
+            "forward, backward and update.",
+            buckets=_STEP_SECONDS_BUCKETS, registry=r,
+        )
         self.reward_mean = Gauge("grpo_trainer_reward_mean", "Mean total reward of the latest step.", registry=r)
         self.reward_std = Gauge("grpo_trainer_reward_std", "Std of the total reward of the latest step.", registry=r)
         self.reward_function_mean = Gauge(

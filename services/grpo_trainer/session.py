@@ -5,6 +5,7 @@
 
 - train begin: when resuming, publish the checkpoint's adapter (the model holds
   it now) so the server generates from it;
+- step begin/end: the step's wall time (`grpo_trainer_step_seconds`);
 - step end: publish every `syncInterval` optimizer steps and at the last step. The
   adapter's bytes are taken at once (a cast and one copy to the host); writing,
   hashing, the load trigger and its confirmation run in the background while the
@@ -49,6 +50,7 @@ class TrainingSession:
         attempt: int,
         publish_dtype: str = "float32",
         log: Callable[[str], None] = print,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.sync = sync
         self.metrics = metrics
@@ -61,6 +63,8 @@ class TrainingSession:
         self.last_sync: SyncResult | None = None
         self.staleness: Callable[[], int | None] = lambda: None
         self._log = log
+        self._clock = clock
+        self._step_started: float | None = None
         self._last_reward: tuple[float | None, float | None] = (None, None)
         self._progress_lock = threading.Lock()  # the background sync writes progress too
 
@@ -118,9 +122,15 @@ class TrainingSession:
         self.metrics.step.set(state.global_step)
         self.write_progress(state.global_step, done=False)
 
+    def on_step_begin(self) -> None:
+        self._step_started = self._clock()
+
     def on_step_end(self, state: TrainerState) -> None:
         step = state.global_step
         self.metrics.step.set(step)
+        if self._step_started is not None:
+            self.metrics.step_seconds.observe(self._clock() - self._step_started)
+            self._step_started = None
         if step % self.sync_interval == 0 or step >= self.max_steps:
             self.publish_in_background(step, "sync")
 
@@ -193,6 +203,11 @@ class SessionCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self.session.on_train_begin(state)
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self.session.on_step_begin()
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

@@ -242,6 +242,11 @@ def test_crd_keep_annotation_can_be_turned_off(chart: Chart) -> None:
 RBAC_KINDS = {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
 
 
+def user_role(obj: dict[str, Any]) -> bool:
+    """The ClusterRoles for users (templates/user-roles.yaml, tests/chart/test_user_roles.py), not the operator's."""
+    return bool(obj["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "user-roles")
+
+
 def rbac_essence(obj: dict[str, Any]) -> dict[str, Any]:
     """What grants permissions: kind, name, namespace, rules, roleRef, subjects (not labels)."""
     keep = {"kind": obj["kind"], "name": obj["metadata"]["name"], "namespace": obj["metadata"].get("namespace")}
@@ -259,7 +264,7 @@ def test_rendered_rbac_is_exactly_what_rbac_py_renders(chart: Chart, scenario: s
     watch = values.get("watch", {})
     namespaces = None if watch.get("mode") == "cluster" else (watch.get("namespaces") or [RELEASE_NAMESPACE])
     expected = render_rbac(FULLNAME, FULLNAME, RELEASE_NAMESPACE, namespaces)
-    rendered = [d for d in chart.render(values) if d["kind"] in RBAC_KINDS]
+    rendered = [d for d in chart.render(values) if d["kind"] in RBAC_KINDS and not user_role(d)]
 
     def key(essence: dict[str, Any]) -> tuple[str, str, str]:
         return essence["kind"], essence["namespace"] or "", essence["name"]
@@ -277,7 +282,7 @@ def test_namespaced_mode_grants_namespaced_rules_only_in_watched_namespaces(char
         assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": FULLNAME}
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": FULLNAME, "namespace": RELEASE_NAMESPACE}]
     namespaced_resources = {res for role in roles for rule in role["rules"] for res in rule["resources"]}
-    for cluster_role in find(docs, "ClusterRole"):
+    for cluster_role in [r for r in find(docs, "ClusterRole") if not user_role(r)]:
         granted = {res for rule in cluster_role["rules"] for res in rule["resources"]}
         assert not granted & namespaced_resources, f"ClusterRole grants {granted & namespaced_resources}"
 
@@ -286,7 +291,8 @@ def test_cluster_mode_uses_one_cluster_role_and_no_roles(chart: Chart) -> None:
     docs = chart.render({"watch": {"mode": "cluster"}})
     assert not find(docs, "Role") and not find(docs, "RoleBinding")
     binding = one(docs, "ClusterRoleBinding")
-    assert binding["roleRef"]["name"] == one(docs, "ClusterRole")["metadata"]["name"]
+    (cluster_role,) = [r for r in find(docs, "ClusterRole") if not user_role(r)]
+    assert binding["roleRef"]["name"] == cluster_role["metadata"]["name"]
     assert binding["subjects"][0]["namespace"] == RELEASE_NAMESPACE
 
 

@@ -2,12 +2,15 @@
 
 Each image must start the project's own console script with a real `grpo` subcommand, run as a
 numeric non-root user, install only its extra (so the operator image never pulls torch or vLLM,
-as the import-linter contract promises), pin its base image, and pass hadolint.
+as the import-linter contract promises), pin its base image, and pass hadolint. Its dependencies are
+installed from pyproject.toml alone, before the sources are copied, so that a code change rebuilds
+only the project's own small layer.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import io
 import json
 import re
@@ -16,6 +19,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 from dockerfile_parse import DockerfileParser
@@ -47,13 +51,30 @@ def instructions(parser: DockerfileParser, name: str) -> list[str]:
     return [item["value"] for item in parser.structure if item["instruction"] == name]
 
 
+#: Where the dependency layer writes the requirements it prints from pyproject.toml.
+REQUIREMENTS_FILE = "/tmp/requirements.txt"
+#: The inline Python of the dependency layer: `python -c '<code>' EXTRAS` (EXTRAS comma-separated).
+REQUIREMENTS_PRINTER = re.compile(r"python -c '([^']+)' (\"\$extras\"|[a-z0-9_,-]+) > " + re.escape(REQUIREMENTS_FILE))
+
+
+def dependency_install(parser: DockerfileParser) -> tuple[int, str]:
+    """The one RUN that installs the dependencies (the requirements printed from pyproject.toml):
+    its index in the parser's structure and its value."""
+    found = [(i, item["value"]) for i, item in enumerate(parser.structure)
+             if item["instruction"] == "RUN" and REQUIREMENTS_PRINTER.search(item["value"])]
+    assert len(found) == 1, f"expected one dependency RUN, got {found}"
+    return found[0]
+
+
 def project_installs(parser: DockerfileParser) -> list[set[str]]:
-    """The extras of every `pip install .[extras]` (the project itself) in RUN instructions."""
-    found = []
-    for run in instructions(parser, "RUN"):
-        for match in re.finditer(r"pip install[^&;|]*?[\"']?\.\[([a-z0-9_,-]+)\][\"']?", run):
-            found.append({extra.strip() for extra in match.group(1).split(",")})
-    return found
+    """The extras whose requirements the dependency layer installs: the printer's argument, or each
+    value the RUN gives `$extras` (the server's ENGINE switch)."""
+    _, run = dependency_install(parser)
+    match = REQUIREMENTS_PRINTER.search(run)
+    assert match
+    argument = match.group(2)
+    values = re.findall(r"\bextras=([a-z0-9_,-]+)", run) if argument == '"$extras"' else [argument]
+    return [{extra.strip() for extra in value.split(",")} for value in values]
 
 
 def requirement_name(requirement: str) -> str:
@@ -229,6 +250,98 @@ def test_hadolint_passes(image: str) -> None:
     result = subprocess.run([str(hadolint_binary()), "--no-color", f"Dockerfile.{image}"], cwd=REPO,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, f"hadolint Dockerfile.{image}:\n{result.stdout}{result.stderr}"
+
+
+# ------------------------------------------------------------------------------------ layer order
+
+
+def copied_sources(item: dict[str, Any]) -> list[str]:
+    return [source.rstrip("/") for source in item["value"].split()[:-1]]
+
+
+@pytest.mark.parametrize("image", sorted(IMAGES))
+def test_dependencies_are_installed_before_the_sources_are_copied(image: str) -> None:
+    """A code change must not reinstall the dependencies: only pyproject.toml is copied before their
+    layer, services/ and operator/ after it, and the project goes in last without dependencies."""
+    structure = dockerfile(image).structure
+    deps_index, _ = dependency_install(dockerfile(image))
+    copies = {source: i for i, item in enumerate(structure) if item["instruction"] == "COPY"
+              for source in copied_sources(item)}
+    assert {"pyproject.toml", "README.md", "services", "operator"} <= set(copies), copies
+    before = sorted(source for source, i in copies.items() if i < deps_index)
+    assert before == ["pyproject.toml"], f"Dockerfile.{image} copies {before} before installing the dependencies"
+    assert deps_index < copies["services"] and deps_index < copies["operator"]
+    project = [(i, item["value"]) for i, item in enumerate(structure)
+               if item["instruction"] == "RUN" and re.search(r"pip install[^&;|]* \.(\s|$)", item["value"])]
+    assert len(project) == 1, f"Dockerfile.{image}: expected one `pip install ... .`, got {project}"
+    project_index, project_run = project[0]
+    assert "--no-deps" in project_run, f"Dockerfile.{image}: the project install must not resolve dependencies"
+    assert project_index > max(copies.values()), f"Dockerfile.{image}: the project is installed before a COPY"
+    assert not re.search(r"\.\[[a-z0-9_,-]+\]", "\n".join(instructions(dockerfile(image), "RUN"))), (
+        f"Dockerfile.{image} still installs the project with its extras (resolving every dependency again)"
+    )
+
+
+def run_dependency_layer(image: str, workdir: Path, engine: str | None = None) -> tuple[int, str, list[str]]:
+    """The dependency RUN's shell, run by /bin/sh as the builder would, with `pip` and `python` stand-ins:
+    python is this interpreter, pip only records the requirement files it is given (it installs nothing).
+    Returns the exit status, stderr and the requirement lines pip was given."""
+    _, run = dependency_install(dockerfile(image))
+    script = re.sub(r"^(--\S+\s+)+", "", run).replace(REQUIREMENTS_FILE, str(workdir / "requirements.txt"))
+    shutil.copy(REPO / "pyproject.toml", workdir / "pyproject.toml")
+    bin_dir = workdir / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(sys.executable)
+    record = workdir / "given.txt"
+    fake_pip = bin_dir / "pip"
+    fake_pip.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do\n'
+                        '  if [ "$1" = -r ]; then cat "$2" >> "$PIP_RECORD"; shift; fi\n'
+                        '  shift\ndone\n')
+    fake_pip.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PIP_RECORD": str(record), **({"ENGINE": engine} if engine else {})}
+    result = subprocess.run(["/bin/sh", "-c", script], cwd=workdir, env=env, capture_output=True, text=True,
+                            timeout=60)
+    given = record.read_text().splitlines() if record.exists() else []
+    return result.returncode, result.stderr, given
+
+
+@pytest.mark.parametrize(("image", "engine"), [("operator", None), ("trainer", None), ("server", "vllm"),
+                                               ("server", "cpu")])
+def test_dependency_layer_installs_exactly_what_pyproject_pins_for_the_extras(image: str, engine: str | None,
+                                                                            tmp_path: Path) -> None:
+    extras = {"operator": ["operator"], "trainer": ["trainer"], "server": ["server", "vllm"]}[image]
+    if engine == "cpu":
+        extras = ["server"]
+    project = PYPROJECT["project"]
+    expected = list(project["dependencies"]) + [r for e in extras for r in project["optional-dependencies"][e]]
+    status, stderr, given = run_dependency_layer(image, tmp_path, engine)
+    assert status == 0, f"Dockerfile.{image}'s dependency RUN failed:\n{stderr}"
+    assert given == expected
+    assert not (tmp_path / "requirements.txt").exists(), "the requirements file is left in the layer"
+
+
+def test_server_dependency_layer_refuses_an_unknown_engine(tmp_path: Path) -> None:
+    status, stderr, given = run_dependency_layer("server", tmp_path, "tpu")
+    assert status != 0 and "ENGINE must be vllm or cpu, not 'tpu'" in stderr and not given
+
+
+# ----------------------------------------------------------------------------------------- license
+
+#: sha256 of the Apache License 2.0 as the ASF publishes it (https://www.apache.org/licenses/LICENSE-2.0.txt).
+APACHE_2_0_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
+
+
+def test_license_file_is_the_apache_2_0_text_pyproject_and_the_images_declare() -> None:
+    text = (REPO / "LICENSE").read_bytes()
+    assert hashlib.sha256(text).hexdigest() == APACHE_2_0_SHA256, "LICENSE is not the unmodified Apache-2.0 text"
+    assert b"END OF TERMS AND CONDITIONS" in text and b"APPENDIX: How to apply the Apache License" in text
+    assert PYPROJECT["project"]["license"] == "Apache-2.0"
+    for image in IMAGES:
+        labels = " ".join(instructions(dockerfile(image), "LABEL"))
+        assert 'org.opencontainers.image.licenses="Apache-2.0"' in labels, f"Dockerfile.{image}"
+    # PEP 639 `license` strings need setuptools 77 or later.
+    (setuptools,) = [r for r in PYPROJECT["build-system"]["requires"] if requirement_name(r) == "setuptools"]
+    assert re.fullmatch(r"setuptools>=(\d+)", setuptools) and int(setuptools.split(">=")[1]) >= 77, setuptools
 
 
 @pytest.mark.parametrize("image", ["server", "trainer"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -12,15 +13,28 @@ from typing import Any
 import pytest
 import yaml
 
+from grpo_operator import metrics as operator_metrics
 from grpo_operator.metrics import METRIC_NAMES as OPERATOR_METRICS
 from grpo_server.metrics import METRIC_NAMES as SERVER_METRICS
 from grpo_trainer.metrics import METRIC_NAMES as TRAINER_METRICS
 
-from .conftest import CHART, Chart, ChartTools, one, prometheus_rules_file
+from .conftest import (
+    CHART,
+    RELEASE,
+    RELEASE_NAMESPACE,
+    REPO,
+    Chart,
+    ChartTools,
+    Yaml12Loader,
+    one,
+    prometheus_rules_file,
+)
 from .test_chart_render import SCENARIOS
 
 DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
 ALERTS_TEST = Path(__file__).with_name("alerts-test.yaml")
+RUNBOOKS = REPO / "docs" / "runbooks.md"
+HELM_DOCS = REPO / "docs" / "helm.md"
 
 #: vLLM 0.26.0's metric families (vllm/v1/metrics/loggers.py, PrometheusStatLogger), as exposed:
 #: counters with `_total`. Only the vllm engine exports them; the CPU tests run the transformers
@@ -228,6 +242,27 @@ def test_promtool_unit_tests_fail_when_an_alert_misbehaves(chart_tools: ChartToo
     assert result.returncode != 0 and "GRPORewardStalled" in result.stdout + result.stderr
 
 
+def test_stall_alert_without_its_first_step_term_fails_the_slow_first_step_case(chart_tools: ChartTools,
+                                                                              rules_file: Path) -> None:
+    """The rule before the fix (no `grpo_trainer_step_seconds_count > 0` term) fired on a healthy run still on
+    its first step: the promtool cases catch that."""
+    rules = yaml.safe_load(rules_file.read_text())
+    stalled = next(r for g in rules["groups"] for r in g["rules"] if r["alert"] == "GRPORewardStalled")
+    term = re.search(r"\n\s*grpo_trainer_step_seconds_count\{[^}]*\} > 0\n\s*and", stalled["expr"])
+    assert term, stalled["expr"]
+    stalled["expr"] = stalled["expr"].replace(term.group(0), "")
+    old = rules_file.with_name("old-stall-rules.yaml")
+    old.write_text(yaml.safe_dump(rules, sort_keys=False))
+    tests = yaml.safe_load(ALERTS_TEST.read_text())
+    tests["rule_files"] = [str(old)]
+    test_file = rules_file.with_name("old-stall-test.yaml")
+    test_file.write_text(yaml.safe_dump(tests, sort_keys=False))
+    result = subprocess.run([str(chart_tools.promtool), "test", "rules", str(test_file)],
+                            capture_output=True, text=True, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "first-slow" in output and "resumed-slow" in output, output
+
+
 def test_alerts_about_a_run_name_the_run(rules_file: Path) -> None:
     rules = [r for g in yaml.safe_load(rules_file.read_text())["groups"] for r in g["rules"]]
     for rule in rules:
@@ -260,6 +295,7 @@ def test_a_nan_reward_the_trainer_exports_fires_the_nan_alert(chart_tools: Chart
             "exp_labels": {"severity": "critical", "job": "grpo-trainer", "namespace": "team-a", "grporun": "exported"},
             "exp_annotations": {
                 "summary": "GRPORun team-a/exported reports a NaN reward or loss.",
+                "runbook_url": f"{default_runbook_base_url()}#grporewardnan",
                 "description": "A NaN reward or loss poisons the update; check the reward functions and the "
                                "learning rate."}}]}],
     }]}
@@ -280,3 +316,199 @@ def test_alert_rules_name_only_exported_metrics(rules_file: Path) -> None:
 def test_prometheus_rule_keeps_its_labels_for_rule_selection(chart: Chart) -> None:
     rule = one(chart.render(SCENARIOS["monitoring-on"]), "PrometheusRule")
     assert rule["metadata"]["labels"]["release"] == "kube-prometheus"
+
+
+# ----------------------------------------------------------------------------------------- runbooks
+
+
+def default_runbook_base_url() -> str:
+    url: str = yaml.safe_load((CHART / "values.yaml").read_text())["prometheusRule"]["runbookBaseUrl"]
+    return url
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def runbook_sections() -> dict[str, str]:
+    """docs/runbooks.md's level-2 sections: anchor -> text."""
+    parts = re.split(r"^## (.+)$", RUNBOOKS.read_text(), flags=re.M)
+    return {github_anchor(heading): body for heading, body in zip(parts[1::2], parts[2::2], strict=True)}
+
+
+def test_every_alert_links_to_its_section_of_the_runbooks(rules_file: Path) -> None:
+    rules = [r for g in yaml.safe_load(rules_file.read_text())["groups"] for r in g["rules"]]
+    base, sections = default_runbook_base_url(), runbook_sections()
+    assert base.endswith("/docs/runbooks.md"), base
+    for rule in rules:
+        url = rule["annotations"].get("runbook_url")
+        assert url, f"{rule['alert']} has no runbook_url"
+        page, _, anchor = url.partition("#")
+        assert page == base and anchor == rule["alert"].lower(), f"{rule['alert']}: {url}"
+        assert anchor in sections, f"docs/runbooks.md has no section #{anchor} for {rule['alert']}"
+
+
+def test_every_runbook_says_what_it_means_how_to_look_and_what_to_do(rules_file: Path) -> None:
+    alerts = {r["alert"].lower() for g in yaml.safe_load(rules_file.read_text())["groups"] for r in g["rules"]}
+    sections = runbook_sections()
+    assert set(sections) == alerts, "docs/runbooks.md has one section per alert, and only those"
+    for anchor, body in sections.items():
+        for part in ("**What it means.**", "**How to look.**", "**What to do"):
+            assert part in body, f"#{anchor} lacks {part}"
+        commands = re.findall(r"^kubectl .*$", body, re.M)
+        assert commands, f"#{anchor} shows no kubectl command"
+        assert any(re.search(r"grpo\.dev/run=RUN|app\.kubernetes\.io/name=grpo-operator", c) for c in commands), (
+            f"#{anchor}: no command selects by the project's labels"
+        )
+    text = RUNBOOKS.read_text()
+    for link in re.findall(r"\]\(#([^)]+)\)", text):
+        assert link in sections, f"docs/runbooks.md links to a missing section #{link}"
+
+
+def test_runbook_base_url_is_a_value(chart: Chart, tmp_path: Path) -> None:
+    values = {**SCENARIOS["monitoring-on"],
+              "prometheusRule": {"enabled": True, "runbookBaseUrl": "https://wiki.example.com/ops/grpo-runbooks"}}
+    rules = yaml.safe_load(prometheus_rules_file(chart.render(values), tmp_path).read_text())
+    urls = [r["annotations"]["runbook_url"] for g in rules["groups"] for r in g["rules"]]
+    assert len(urls) == 8
+    assert all(re.fullmatch(r"https://wiki\.example\.com/ops/grpo-runbooks#grpo[a-z]+", u) for u in urls), urls
+    refused = chart.helm("template", RELEASE, str(CHART),
+                         values={"prometheusRule": {"enabled": True, "runbookBaseUrl": "https://x.example/r.md#top"}})
+    assert refused.returncode != 0 and "runbookBaseUrl" in refused.stderr, refused.stderr
+
+
+# ------------------------------------------------------------------------ dashboard variable filters
+
+#: The dashboard variables a query must follow, with the label each one selects on.
+SELECTION_VARIABLES = ("namespace", "grporun")
+_MATCHER = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
+
+
+def selectors(expr: str) -> list[tuple[str, dict[str, tuple[str, str]]]]:
+    """Every series selector of a PromQL expression: the metric and its label matchers (label -> (op, value))."""
+    found = []
+    for name in sorted(metric_names(expr)):
+        for match in re.finditer(rf"(?<![\w:.$]){re.escape(name)}(?![\w:])\s*(\{{[^{{}}]*\}})?", expr):
+            block = match.group(1) or ""
+            found.append((name, {label: (op, value) for label, op, value in _MATCHER.findall(block)}))
+    return found
+
+
+def has_run_label(name: str) -> bool:
+    """Whether a metric's series carry `grporun`: every server, trainer and vLLM series (the PodMonitors add
+    it), and the operator's per-run families (their own label)."""
+    if not name.startswith("grpo_operator_"):
+        return True
+    base = re.sub(r"_(total|bucket|sum|count)$", "", name)
+    families = [m for m in vars(operator_metrics).values()
+                if getattr(m, "_name", None) in (name, base) and hasattr(m, "_labelnames")]
+    assert families, f"{name} is not an operator metric family"
+    return all("grporun" in m._labelnames for m in families)
+
+
+def selection_problems(expr: str, variables: set[str]) -> list[str]:
+    """Why a query does not follow the dashboard's namespace/run variables (empty: it does)."""
+    problems = []
+    for name, matchers in selectors(expr):
+        for variable in SELECTION_VARIABLES:
+            if variable in variables and matchers.get(variable) != ("=~", f"${variable}"):
+                problems.append(f'{name} does not filter {variable}=~"${variable}"')
+        if "grporun" in matchers and not has_run_label(name):
+            problems.append(f"{name} has no grporun label: a run selection leaves it empty")
+    return problems
+
+
+def panel_targets(dashboard: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(panel title, refId, expr) of every target of every panel, rows' nested panels included."""
+    found, panels = [], list(dashboard["panels"])
+    while panels:
+        panel = panels.pop()
+        panels.extend(panel.get("panels", []))
+        found += [(panel.get("title", ""), t.get("refId", ""), t["expr"]) for t in panel.get("targets", [])]
+    return found
+
+
+def test_selection_check_flags_queries_that_ignore_the_variables() -> None:
+    both = {"namespace", "grporun"}
+    assert selection_problems('sum by (phase) (grpo_operator_runs{job="grpo-operator"})', both) == [
+        'grpo_operator_runs does not filter namespace=~"$namespace"',
+        'grpo_operator_runs does not filter grporun=~"$grporun"',
+    ]
+    assert selection_problems('grpo_operator_runs{namespace=~"$namespace", grporun=~"$grporun"}', both) == [
+        "grpo_operator_runs has no grporun label: a run selection leaves it empty"]
+    assert selection_problems('max(grpo_trainer_step{namespace=~"$namespace"}) / max(grpo_trainer_max_steps)',
+                              {"namespace"}) == ['grpo_trainer_max_steps does not filter namespace=~"$namespace"']
+    good = ('histogram_quantile(0.9, sum by (le) (rate(grpo_trainer_step_seconds_bucket{namespace=~"$namespace", '
+            'grporun=~"$grporun"}[$__rate_interval]))) / on () group_left max(grpo_operator_run_attempt'
+            '{job="grpo-operator", grporun=~"$grporun", namespace=~"$namespace"})')
+    assert selection_problems(good, both) == []
+
+
+def test_every_panel_query_follows_the_namespace_and_run_variables(dashboard: dict[str, Any]) -> None:
+    """A per-run query that ignores the dashboard's selection shows other namespaces' runs next to the chosen
+    ones; in a run dashboard, an operator-wide series (no run label) cannot follow the run selection at all."""
+    variables = {v["name"] for v in dashboard["templating"]["list"]} & set(SELECTION_VARIABLES)
+    assert "namespace" in variables, f"{dashboard['uid']} has no namespace variable"
+    problems = [f"{title!r} {ref}: {problem}" for title, ref, expr in panel_targets(dashboard)
+                for problem in selection_problems(expr, variables)]
+    assert not problems, f"{dashboard['uid']}:\n" + "\n".join(problems)
+
+
+# ------------------------------------------------------------------- kube-prometheus-stack selection
+
+#: What kube-prometheus-stack's Prometheus selects monitors and rules by (its *SelectorNilUsesHelmValues
+#: default), for a kube-prometheus-stack release called kube-prometheus-stack.
+KUBE_PROMETHEUS_STACK_SELECTOR = {"release": "kube-prometheus-stack"}
+MONITORING_KINDS = ("ServiceMonitor", "PodMonitor", "PrometheusRule")
+
+
+def documented_kube_prometheus_stack_flags() -> list[str]:
+    """The --set/--set-string flags of docs/helm.md's kube-prometheus-stack install command."""
+    section = HELM_DOCS.read_text().split("### Monitoring with kube-prometheus-stack", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert block, "docs/helm.md: no command in the kube-prometheus-stack section"
+    argv = shlex.split(block.group(1).replace("\\\n", " "))
+    assert argv[:2] == ["helm", "install"], argv
+    flags = []
+    for i, arg in enumerate(argv):
+        if arg in ("--set", "--set-string"):
+            flags += [arg, argv[i + 1]]
+    return flags
+
+
+def test_documented_kube_prometheus_stack_install_makes_every_monitoring_object_selectable(chart: Chart) -> None:
+    result = chart.helm("template", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE,
+                        *documented_kube_prometheus_stack_flags())
+    assert result.returncode == 0, result.stderr
+    docs = [d for d in yaml.load_all(result.stdout, Loader=Yaml12Loader) if d]
+    monitoring = [d for d in docs if d["kind"] in MONITORING_KINDS]
+    assert sorted(d["kind"] for d in monitoring) == ["PodMonitor", "PodMonitor", "PrometheusRule", "ServiceMonitor"]
+    for obj in monitoring:
+        labels = obj["metadata"].get("labels", {})
+        unmatched = {k: v for k, v in KUBE_PROMETHEUS_STACK_SELECTOR.items() if labels.get(k) != v}
+        assert not unmatched, (f"{obj['kind']} {obj['metadata']['name']} does not match kube-prometheus-stack's "
+                               f"selector {KUBE_PROMETHEUS_STACK_SELECTOR}: its labels are {labels}")
+    dashboards = [d for d in docs if d["kind"] == "ConfigMap" and "grafana_dashboard" in d["metadata"]["labels"]]
+    assert dashboards and all(d["metadata"]["labels"]["grafana_dashboard"] == "1" for d in dashboards)
+
+
+def test_each_monitoring_object_takes_its_own_extra_labels(chart: Chart) -> None:
+    values = {
+        "metrics": {"operator": {"serviceMonitor": {"enabled": True, "labels": {"team": "operator"}}},
+                    "servers": {"podMonitor": {"enabled": True, "labels": {"team": "servers"}}},
+                    "trainers": {"podMonitor": {"enabled": True, "labels": {"team": "trainers"}}}},
+        "prometheusRule": {"enabled": True, "labels": {"team": "rules", "role": "alert-rules"}},
+    }
+    docs = chart.render(values)
+    fullname = f"{RELEASE}-grpo-operator"
+    expected = {("ServiceMonitor", fullname): {"team": "operator"},
+                ("PodMonitor", f"{fullname}-servers"): {"team": "servers"},
+                ("PodMonitor", f"{fullname}-trainers"): {"team": "trainers"},
+                ("PrometheusRule", fullname): {"team": "rules", "role": "alert-rules"}}
+    rendered = {(d["kind"], d["metadata"]["name"]): d["metadata"]["labels"]
+                for d in docs if d["kind"] in MONITORING_KINDS}
+    assert set(rendered) == set(expected)
+    for key, extra in expected.items():
+        assert rendered[key].items() >= extra.items(), f"{key}: {rendered[key]}"
+        assert rendered[key]["app.kubernetes.io/instance"] == RELEASE  # the chart's own labels stay

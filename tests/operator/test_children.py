@@ -139,11 +139,11 @@ def test_colocate_run_gets_only_the_trainer_job(operator: OperatorProcess, kube:
     assert kube.networking.list_namespaced_network_policy(kube.namespace).items == [], "no server to guard"
 
 
-def test_run_name_that_cannot_name_children_fails_with_invalid_spec(operator: OperatorProcess, kube: Kube) -> None:
-    kube.create_run("9-starts-with-a-digit", server_url=UNREACHABLE)
-    status = kube.wait_phase("9-starts-with-a-digit", "Failed", reason="InvalidSpec")
-    assert "metadata.name" in status["message"]
-    assert kube.deployment("9-starts-with-a-digit-server") is None
+def test_run_name_that_cannot_name_children_is_refused_at_admission(operator: OperatorProcess, kube: Kube) -> None:
+    with pytest.raises(kube.client.ApiException) as refused:
+        kube.create_run("9-starts-with-a-digit", server_url=UNREACHABLE)
+    assert refused.value.status == 422 and "metadata.name" in str(refused.value.body)
+    assert kube.run("9-starts-with-a-digit") is None
 
 
 def test_cluster_wide_operator_reconciles_runs_in_any_namespace(

@@ -166,11 +166,11 @@ def test_a_pod_setting_the_api_server_refuses_fails_the_run_with_its_words(
     kube: Kube, operator: OperatorProcess
 ) -> None:
     """Extra volumes are kept as written (core/v1 Volume); one the API server refuses in a pod ends the run
-    as InvalidSpec with the server's message, instead of a reconcile that fails forever."""
+    as ChildRejected with the server's message, instead of a reconcile that fails forever."""
     spec = run_spec()
     bad = {"name": "bad-mode", "secret": {"secretName": "s", "defaultMode": 99999}}
     spec["trainer"] = {**spec["trainer"], "volumes": [bad]}
     kube.create_run("refused", spec=spec)
-    status = kube.wait_phase("refused", "Failed", reason="InvalidSpec")
+    status = kube.wait_phase("refused", "Failed", reason="ChildRejected")
     assert "refused by the API server" in status["message"] and "defaultMode" in status["message"], status
     assert kube.deployment("refused-server") is None

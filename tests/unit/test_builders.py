@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from grpo_api.models import GRPORun
 from grpo_api.runconfig import RunConfig
@@ -331,8 +332,12 @@ def test_colocate_trainer_has_no_server_address_or_token() -> None:
 
 @pytest.mark.parametrize("name", ["9lives", "a" * 49, "has.dot"])
 def test_run_names_that_cannot_prefix_children_are_refused_naming_the_field(name: str) -> None:
+    # The model refuses them (as admission does); check_run refuses them too, for a run built around it.
+    with pytest.raises(ValidationError, match=r"metadata\.name"):
+        make_run(name)
+    run = make_run("ok").model_copy(update={"metadata": make_run("ok").metadata.model_copy(update={"name": name})})
     with pytest.raises(b.InvalidRunError, match=r"metadata\.name"):
-        b.check_run(make_run(name))
+        b.check_run(run)
 
 
 def test_valid_run_name_passes_the_check() -> None:
