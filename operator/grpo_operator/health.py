@@ -16,7 +16,11 @@ class HealthClient:
     """GET <base url><health path>, parsed into the lifecycle's HealthCheck. Safe to share across threads."""
 
     def __init__(self, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> None:
-        self._client = httpx.Client(timeout=timeout, follow_redirects=False)
+        # No keep-alive: a check is a few seconds apart, and a pooled connection open when the server dies
+        # leaves the server's port in TIME_WAIT on its side (a local run's port could not be bound again).
+        self._client = httpx.Client(
+            timeout=timeout, follow_redirects=False, limits=httpx.Limits(max_keepalive_connections=0)
+        )
 
     def check(self, base_url: str, path: str) -> HealthCheck:
         url = base_url.rstrip("/") + "/" + path.lstrip("/")
