@@ -256,7 +256,9 @@ def test_rbac_renders_cluster_wide_and_per_namespace_roles_from_one_rule_list() 
     assert scoped[2]["rules"] == rbac.APPLICATION_RULES and scoped[2]["metadata"]["namespace"] == "a"
     verbs = {(g, r): set(rule["verbs"]) for rule in rbac.RULES for g in rule["apiGroups"] for r in rule["resources"]}
     assert "update" not in verbs[("apps", "deployments")] and "*" not in set().union(*verbs.values())
-    assert verbs[("", "secrets")] == {"create"}, "the operator never reads Secrets"
+    # The token Secret is read by name (whose it is, whether it still exists); Secrets are never listed or
+    # watched, so the operator cannot enumerate a namespace's Secrets.
+    assert verbs[("", "secrets")] == {"create", "get"}, "the operator never lists or watches Secrets"
     assert verbs[("networking.k8s.io", "networkpolicies")] == {"create"}, "garbage collection deletes them"
 
 
