@@ -19,7 +19,6 @@ import os
 import platform
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,10 +32,10 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.operator_process import start_operator  # noqa: E402
 from grpo_api.models import GRPORun  # noqa: E402
 from grpo_operator import builders  # noqa: E402
 from tests.fixtures.controlplane import CRD_FILE, build_testbin, start_control_plane  # noqa: E402
-from tests.fixtures.server import free_port  # noqa: E402
 
 WORKERS = 16
 
@@ -113,26 +112,9 @@ def operated(api: Any, kubeconfig: Path, namespace: str, runs: int, log: Path) -
     from kubernetes import client
 
     custom, apps = client.CustomObjectsApi(api), client.AppsV1Api(api)
-    port = free_port()
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1"}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "grpo_cli.main", "operator", "--namespace", namespace,
-             "--metrics-port", str(port), "--liveness-port", "0", "--workers", str(WORKERS)],
-            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )
+    proc, port = start_operator(kubeconfig, namespace, log, extra_args=("--workers", str(WORKERS)),
+                                settle_seconds=2)  # kopf's initial listing ends before the clock starts
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"operator did not start; see {log}")
-            time.sleep(0.2)
-        time.sleep(2)  # let kopf finish its initial listing before the clock starts
         started = time.monotonic()
         with ThreadPoolExecutor(max_workers=WORKERS) as pool:
             list(pool.map(lambda i: custom.create_namespaced_custom_object(

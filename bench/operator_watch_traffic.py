@@ -34,8 +34,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.operator_process import start_operator  # noqa: E402
 from tests.fixtures.controlplane import CRD_FILE, ControlPlane, build_testbin, start_control_plane  # noqa: E402
-from tests.fixtures.server import free_port  # noqa: E402
 
 NAMESPACE = "traffic"
 RESOURCES = (("", "pods"), ("batch", "jobs"))
@@ -52,29 +52,6 @@ def watch_counters(cp: ControlPlane) -> dict[str, float]:
             pattern = rf'^{metric}\{{[^}}]*group="{group}"[^}}]*resource="{resource}"[^}}]*\}} (\S+)$'
             out[f"{resource}_{key}"] = sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
     return out
-
-
-def start_operator(kubeconfig: Path, pythonpath: str, log: Path) -> subprocess.Popen[bytes]:
-    port = free_port()
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "grpo_cli.main", "operator", "--namespace", NAMESPACE,
-             "--metrics-port", str(port), "--liveness-port", "0"],
-            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"operator did not start; see {log}")
-        time.sleep(0.2)
-    time.sleep(3)  # kopf's initial listing
-    return proc
 
 
 def foreign_objects(api: Any, count: int, tag: str) -> None:
@@ -120,7 +97,7 @@ def clean(api: Any) -> None:
 
 
 def measure(cp: ControlPlane, api: Any, count: int, tag: str, pythonpath: str | None, log: Path) -> dict[str, float]:
-    proc = start_operator(cp.kubeconfig, pythonpath, log) if pythonpath is not None else None
+    proc = start_operator(cp.kubeconfig, NAMESPACE, log, pythonpath=pythonpath)[0] if pythonpath is not None else None
     try:
         before = watch_counters(cp)
         foreign_objects(api, count, tag)

@@ -1,11 +1,13 @@
 """The local executor of the run lifecycle: `grpo_api.lifecycle.decide` acted out with processes.
 
 The decisions are the operator's (same function, same inputs); only the
-effects differ: a server process stands for the server Deployment, a trainer
-process for the attempt's Job, and the run directory for the volume. A server
-process that dies is not restarted in place (there is no kubelet): its trainer
-fails, and the next attempt starts with a fresh server and resumes from the
-last checkpoint.
+effects differ: server processes stand for the server Deployment (one per
+replica, each on its own port, listed to the trainer in the run-config), a
+trainer process for the attempt's Job, and the run directory for the volume. A
+server process that dies is not restarted in place (there is no kubelet): with
+one replica its trainer fails, and the next attempt starts with a fresh server
+and resumes from the last checkpoint; with several, the trainer carries on with
+the others.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from grpo_api.lifecycle import (
 from grpo_api.models import TERMINAL_PHASES, EnvVar, GRPORun, GRPORunStatus, Phase
 from grpo_api.prepare_protocol import ENV_TERMINATION_LOG, latest_progress
 from grpo_api.protocol import TrainingProgress
-from grpo_api.runconfig import RUN_CONFIG_FILE, RunConfig, run_config_for
+from grpo_api.runconfig import RUN_CONFIG_FILE, RunConfig, ServerEndpoints, run_config_for
 from grpo_local.processes import Child
 from grpo_operator.health import HealthClient
 
@@ -81,7 +83,10 @@ class LocalRun:
     python: str = sys.executable
     on_event: Callable[[RunEvent], None] | None = None
     status: GRPORunStatus = field(default_factory=GRPORunStatus)
-    servers: dict[int, Child] = field(default_factory=dict)
+    #: Ports of the server replicas after the first (`port`); chosen when the run starts.
+    replica_ports: list[int] = field(default_factory=list)
+    #: Each attempt's server processes, one per replica.
+    servers: dict[int, list[Child]] = field(default_factory=dict)
     trainers: dict[int, Child] = field(default_factory=dict)
     initializer: Child | None = None
     events: list[RunEvent] = field(default_factory=list)
@@ -90,12 +95,25 @@ class LocalRun:
     #: The same health probe the operator uses.
     health: HealthClient = field(default_factory=lambda: HealthClient(HEALTH_TIMEOUT_SECONDS))
 
+    def __post_init__(self) -> None:
+        wanted = self.run.spec.effective_server.replicas - 1
+        while len(self.replica_ports) < wanted:
+            port = free_port()
+            if port != self.port and port not in self.replica_ports:
+                self.replica_ports.append(port)
+
+    @property
+    def server_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}" for p in (self.port, *self.replica_ports)]
+
     @property
     def config(self) -> RunConfig:
+        urls = self.server_urls
         return run_config_for(
             self.run,
             volume_root=self.run_dir,
-            server_url=f"http://127.0.0.1:{self.port}",
+            server_url=urls[0],
+            server_endpoints=ServerEndpoints(replicas=len(urls), urls=urls),
             token_file=str(self.token_file),
             base_dir=self.run_file.resolve().parent,
         )
@@ -130,8 +148,8 @@ class LocalRun:
 
     def observe(self) -> Observation:
         attempt = self.status.attempt
-        older = sum(1 for a, c in self.servers.items() if a < attempt and c.group_alive())
-        health = self.check_health() if wants_health(self.run.spec, self.status) else None
+        older = sum(1 for a, cs in self.servers.items() for c in cs if a < attempt and c.group_alive())
+        checks = self.check_health() if wants_health(self.run.spec, self.status) else ()
         trainer, message, trainer_failed_permanently = self.trainer_state(attempt)
         initializer, init_message = self.child_state(self.initializer)
         init_progress = self.initializer_progress()
@@ -143,7 +161,8 @@ class LocalRun:
         return Observation(
             now=dt.datetime.now(dt.UTC),
             older_servers_alive=older,
-            health=health,
+            health=checks[0] if checks else None,
+            replica_health=checks if len(checks) > 1 else (),
             trainer=trainer,
             trainer_message=message,
             trainer_failed_permanently=trainer_failed_permanently,
@@ -161,13 +180,18 @@ class LocalRun:
             f.seek(max(0, f.seek(0, os.SEEK_END) - 16384))
             return latest_progress(f.read().decode("utf-8", errors="replace"))
 
-    def check_health(self) -> HealthCheck:
-        health = self.health.check(self.config.server_url, self.run.spec.effective_server.health_path)
-        server = self.servers.get(self.status.attempt)
-        if not health.reachable and server is not None and server.poll() is not None:
-            error = f"server process exited with code {server.poll()}; see {server.log_path}"
-            return HealthCheck(reachable=False, error=error)
-        return health
+    def check_health(self) -> tuple[HealthCheck, ...]:
+        """One check per replica of the attempt."""
+        children = self.servers.get(self.status.attempt, [])
+        checks = []
+        for i, url in enumerate(self.server_urls):
+            health = self.health.check(url, self.run.spec.effective_server.health_path)
+            server = children[i] if i < len(children) else None
+            if not health.reachable and server is not None and server.poll() is not None:
+                error = f"server process exited with code {server.poll()}; see {server.log_path}"
+                health = HealthCheck(reachable=False, error=error)
+            checks.append(health)
+        return tuple(checks)
 
     def trainer_state(self, attempt: int) -> tuple[TrainerState, str, bool]:
         """The attempt's trainer process: its state, what it said, and whether it failed permanently (it
@@ -260,24 +284,32 @@ class LocalRun:
         return {**ours, **{e.name: e.literal for e in extra if e.value_from is None}}
 
     def ensure_server(self, attempt: int, replicas: int) -> None:
-        for other, child in self.servers.items():
-            if other != attempt and child.group_alive():
-                child.stop()
+        for other, children in self.servers.items():
+            for child in children:
+                if other != attempt and child.group_alive():
+                    child.stop()
         if replicas < 1 or attempt in self.servers:
             return
-        child = Child(
-            role="server",
-            attempt=attempt,
-            argv=[self.python, "-m", "grpo_cli.main", "serve", "--config", str(self.config_file),
-                  "--host", "127.0.0.1", "--port", str(self.port)],
-            log_path=self.logs_dir / f"server-attempt-{attempt}.log",
-            env=self.child_env(attempt, self.run.spec.effective_server.env),
-        )
-        child.start()
-        self.servers[attempt] = child
+        started = []
+        for i, port in enumerate((self.port, *self.replica_ports)[:replicas]):
+            suffix = "" if i == 0 else f"-replica-{i}"
+            child = Child(
+                role="server",
+                attempt=attempt,
+                argv=[self.python, "-m", "grpo_cli.main", "serve", "--config", str(self.config_file),
+                      "--host", "127.0.0.1", "--port", str(port)],
+                log_path=self.logs_dir / f"server-attempt-{attempt}{suffix}.log",
+                env=self.child_env(attempt, self.run.spec.effective_server.env),
+            )
+            child.start()
+            started.append(child)
+        self.servers[attempt] = started
+
+    def server_children(self) -> list[Child]:
+        return [c for children in self.servers.values() for c in children]
 
     def stop_servers(self) -> None:
-        for child in self.servers.values():
+        for child in self.server_children():
             if child.group_alive():
                 child.stop()
 
@@ -317,7 +349,7 @@ class LocalRun:
     def shutdown(self) -> None:
         """End every child: trainers first (they talk to the server), then servers."""
         initializer = [self.initializer] if self.initializer is not None else []
-        for child in [*initializer, *self.trainers.values(), *self.servers.values()]:
+        for child in [*initializer, *self.trainers.values(), *self.server_children()]:
             if child.group_alive():
                 child.stop()
         self.health.close()
@@ -328,10 +360,11 @@ class LocalRun:
         _write_json(self.run_dir / "status.json", record)
         children = [
             {"role": c.role, "attempt": c.attempt, "pid": c.pid, "log": str(c.log_path), "exitCode": c.poll()}
-            for c in [*([self.initializer] if self.initializer else []), *self.servers.values(),
+            for c in [*([self.initializer] if self.initializer else []), *self.server_children(),
                       *self.trainers.values()]
         ]
-        _write_json(self.run_dir / "processes.json", {"port": self.port, "children": children})
+        _write_json(self.run_dir / "processes.json",
+                    {"port": self.port, "ports": [self.port, *self.replica_ports], "children": children})
 
     # -- history for the summary -----------------------------------------------------------------
 

@@ -31,7 +31,7 @@ from grpo_api.models import (
     TrainerSpec,
 )
 from grpo_api.prepare_protocol import EXIT_PERMANENT
-from grpo_api.runconfig import RUN_CONFIG_FILE, run_config_for
+from grpo_api.runconfig import RUN_CONFIG_FILE, ServerEndpoints, run_config_for
 from grpo_api.sources import ClusterLayout, SourceVolume, cluster_layout, hub_tokens
 
 LABEL_PREFIX = "grpo.dev"
@@ -96,6 +96,13 @@ class ChildNames:
     def server(self) -> str:
         """The server's Deployment and Service."""
         return f"{self.run}-server"
+
+    @property
+    def replicas(self) -> str:
+        """The headless Service whose DNS A records are the server's ready replicas (the trainer's view).
+
+        Short: a run name is at most MAX_RUN_NAME (48) characters, a Service name at most 63."""
+        return f"{self.run}-replicas"
 
     @property
     def server_network_policy(self) -> str:
@@ -223,6 +230,18 @@ def _metadata(
 def build_config_map(run: GRPORun) -> dict[str, Any]:
     """The run-config both containers read ($GRPO_RUN_CONFIG), rendered from the spec."""
     in_server_mode = run.spec.mode == Mode.SERVER
+    server = run.spec.effective_server
+    namespace = run.metadata.namespace or "default"
+    # Server mode always names the replicas' headless Service, one replica too: one code path in the trainer.
+    endpoints = (
+        ServerEndpoints(
+            replicas=server.replicas,
+            dns_name=f"{child_names(run).replicas}.{namespace}.svc",
+            port=server.port,
+        )
+        if in_server_mode
+        else None
+    )
     config = run_config_for(
         run,
         volume_root=run.spec.storage.mount_path,
@@ -231,6 +250,7 @@ def build_config_map(run: GRPORun) -> dict[str, Any]:
         token_file=TOKEN_PATH if in_server_mode else None,
         base_dir="/",
         sources=source_layout(run).sources,
+        server_endpoints=endpoints,
     )
     return {
         "apiVersion": "v1",
@@ -291,6 +311,23 @@ def build_service(run: GRPORun) -> dict[str, Any]:
         "metadata": _metadata(run, child_names(run).server, SERVER),
         "spec": {
             "type": "ClusterIP",
+            "selector": selector(run, SERVER),
+            "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def build_replica_service(run: GRPORun) -> dict[str, Any]:
+    """The headless Service of the server's replicas: its DNS name resolves to one A record per Ready
+    server pod (not-ready ones are left out), so the trainer reaches each replica itself."""
+    port = run.spec.effective_server.port
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(run, child_names(run).replicas, SERVER),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": False,
             "selector": selector(run, SERVER),
             "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
         },
@@ -579,9 +616,11 @@ def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str,
 
 
 def build_server_deployment(
-    run: GRPORun, attempt: int, replicas: int, images: Images | None = None
+    run: GRPORun, attempt: int, replicas: int, images: Images | None = None, placement: Placement | None = None
 ) -> dict[str, Any]:
-    """The server of one attempt: a single pod, replaced (Recreate) when the attempt changes."""
+    """The server of one attempt: `replicas` pods (spec.server.replicas; 0 stops it), all replaced
+    (Recreate) when the attempt changes. Several replicas that share a claim which cannot span nodes
+    (placement.same_node) go to one node (required affinity to each other; the first may go anywhere)."""
     server: ServerSpec = run.spec.effective_server
     images = images or Images()
     startup_period = 10
@@ -604,6 +643,8 @@ def build_server_deployment(
         "securityContext": _container_security(),
     }
     volumes = _volumes(run, _extra_volumes(server), shm_size=server.shm_size, token=True)
+    together = server.replicas > 1 and placement is not None and placement.same_node
+    affinity = _same_node_as_server(run) if together else None
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -612,15 +653,15 @@ def build_server_deployment(
         ),
         "spec": {
             "replicas": replicas,
-            # One GPU pod: a rolling update would wait for a second GPU, and two servers would
-            # make "fresh server for this attempt" ambiguous.
+            # Every replica of an attempt is fresh: the old pods are gone before the new ones start
+            # (a rolling update would also wait for spare GPUs, and mix replicas of two attempts).
             "strategy": {"type": "Recreate"},
             "revisionHistoryLimit": 2,
             "progressDeadlineSeconds": max(600, run.spec.run_policy.server_ready_timeout_seconds + 60),
             "selector": {"matchLabels": selector(run, SERVER)},
             "template": {
                 "metadata": _template_metadata(run, SERVER, server, attempt),
-                "spec": _pod_spec(run, container, volumes, "Always"),
+                "spec": _pod_spec(run, container, volumes, "Always", affinity=affinity),
             },
         },
     }

@@ -46,6 +46,8 @@ class PodInfo:
     started: bool = False
     #: A container of it is running now.
     running: bool = False
+    #: Its IP (status.podIP); "" until it has one.
+    ip: str = ""
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,10 @@ class Children:
 
     def pod_of(self, attempt: int) -> PodInfo | None:
         return next((p for p in self.pods if p.attempt == attempt and not p.terminating), None)
+
+    def pods_of(self, attempt: int) -> list[PodInfo]:
+        """The attempt's server pods that are not going away (its replicas), by name."""
+        return sorted((p for p in self.pods if p.attempt == attempt and not p.terminating), key=lambda p: p.name)
 
     def failed_by_exit_code(self, job_name: str, code: int) -> bool:
         """A pod of the Job ended with this exit code."""
@@ -224,6 +230,7 @@ def pod_info(body: dict[str, Any]) -> PodInfo:
             for c in status.get("containerStatuses") or []
         ),
         running=any("running" in (c.get("state") or {}) for c in status.get("containerStatuses") or []),
+        ip=str(status.get("podIP") or ""),
     )
 
 

@@ -300,7 +300,8 @@ def create_owned(rt: Runtime, run: GRPORun, obj: dict[str, Any]) -> None:
 def observe(
     rt: Runtime, run: GRPORun, status: GRPORunStatus, children: Children, now: dt.datetime
 ) -> Observation:
-    """The lifecycle's view of the world: older servers, the trainer of this attempt, the server's health."""
+    """The lifecycle's view of the world: older servers, the trainer of this attempt, the server's health
+    (with several replicas, each replica's)."""
     attempt = status.attempt
     server_mode = run.spec.mode == Mode.SERVER
     older = len(children.older_server_pods(attempt)) if server_mode and attempt > 0 else 0
@@ -308,11 +309,17 @@ def observe(
     service_url = builders.server_url(run)
     override = _server_url_override(rt, run)
     health: HealthCheck | None = None
+    replica_health: tuple[HealthCheck, ...] = ()
     server_message = server_trouble(children, attempt) if server_mode and attempt > 0 else ""
     waiting_for_old = status.phase == Phase.STARTING_SERVER and older > 0
     if wants_health(run.spec, status) and not waiting_for_old:
         path = run.spec.effective_server.health_path
-        if override is not None:
+        if run.spec.effective_server.replicas > 1:
+            replica_health = replica_checks(rt, run, children, attempt, override)
+        if replica_health:
+            # Older readers of `health` see the first replica's.
+            health = replica_health[0]
+        elif override is not None:
             health = rt.health.check(override, path)
         elif children.ready_pod(attempt) is not None:
             health = rt.health.check(service_url, path)
@@ -329,6 +336,7 @@ def observe(
         now=now,
         older_servers_alive=older,
         health=health,
+        replica_health=replica_health,
         trainer=trainer,
         trainer_message=trainer_message,
         trainer_failed_permanently=trainer_failed_permanently,
@@ -340,6 +348,31 @@ def observe(
         missing_children=missing,
         lost_children=lost,
     )
+
+
+def replica_checks(
+    rt: Runtime, run: GRPORun, children: Children, attempt: int, override: str | None
+) -> tuple[HealthCheck, ...]:
+    """One health check per server replica of the attempt: each pod that is not going away, at its own
+    IP (the Service would answer from any one of them); one that is not Ready is not called. With the
+    server-url override (tests, out-of-cluster servers), each of its comma-separated URLs instead."""
+    server = run.spec.effective_server
+    if override is not None:
+        urls = [url.strip() for url in override.split(",") if url.strip()]
+        return tuple(rt.health.check(url, server.health_path) for url in urls)
+    checks: list[HealthCheck] = []
+    for pod in children.pods_of(attempt):
+        if pod.ready and pod.ip:
+            checks.append(rt.health.check(pod_url(pod.ip, server.port), server.health_path))
+        else:
+            checks.append(HealthCheck(reachable=False, error=f"pod {pod.name} not ready"))
+    return tuple(checks)
+
+
+def pod_url(ip: str, port: int) -> str:
+    """The base URL of a pod's port (an IPv6 address in brackets)."""
+    host = f"[{ip}]" if ":" in ip else ip
+    return f"http://{host}:{port}"
 
 
 def child_losses(rt: Runtime, run: GRPORun, children: Children) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -364,6 +397,8 @@ def child_losses(rt: Runtime, run: GRPORun, children: Children) -> tuple[tuple[s
     if run.spec.mode == Mode.SERVER:
         if gone("Service", names.server):
             missing.append(f"Service {names.server}")
+        if gone("Service", names.replicas):
+            missing.append(f"Service {names.replicas}")
         if rt.config.server_ingress is not None and gone("NetworkPolicy", names.server_network_policy):
             missing.append(f"NetworkPolicy {names.server_network_policy}")
         last = rt.token_seen.get(uid)
@@ -507,10 +542,14 @@ def execute(rt: Runtime, run: GRPORun, children: Children, decision: Decision) -
                 if children.job(names.initializer) is None:
                     create_owned(rt, run, builders.build_initializer_job(run, rt.config.images))
             case EnsureServer(attempt=attempt, replicas=replicas):
-                desired = builders.build_server_deployment(run, attempt, replicas, rt.config.images)
+                if deployment is not None and deployment.attempt == attempt and deployment.replicas == replicas:
+                    continue
+                # Several replicas sharing a claim that cannot span nodes must share a node.
+                where = placement(rt, run) if run.spec.effective_server.replicas > 1 else None
+                desired = builders.build_server_deployment(run, attempt, replicas, rt.config.images, where)
                 if deployment is None:
                     create_owned(rt, run, desired)
-                elif deployment.attempt != attempt or deployment.replicas != replicas:
+                else:
                     rt.kube.patch_deployment(
                         namespace,
                         names.server,
@@ -525,6 +564,7 @@ def execute(rt: Runtime, run: GRPORun, children: Children, decision: Decision) -
             case DeleteServer():
                 if deployment is not None:
                     rt.kube.delete_if_present("Service", namespace, names.server)
+                    rt.kube.delete_if_present("Service", namespace, names.replicas)
                     rt.kube.delete_if_present("Deployment", namespace, names.server)
             case CreateTrainer(attempt=attempt):
                 if children.job(names.trainer(attempt)) is None:
@@ -544,14 +584,18 @@ def execute(rt: Runtime, run: GRPORun, children: Children, decision: Decision) -
 
 
 def provision(rt: Runtime, run: GRPORun) -> None:
-    """Run-config, volume claim, token and Service: created once, kept as they are if they exist."""
+    """Run-config, volume claim, token and the Services: created once, kept as they are if they exist."""
     objects = [
         builders.build_config_map(run),
         builders.build_volume_claim(run),
         builders.build_rewards_config_map(run),
     ]
     if run.spec.mode == Mode.SERVER:
-        objects += [builders.build_token_secret(run, secrets.token_urlsafe(32)), builders.build_service(run)]
+        objects += [
+            builders.build_token_secret(run, secrets.token_urlsafe(32)),
+            builders.build_service(run),
+            builders.build_replica_service(run),
+        ]
         if rt.config.server_ingress is not None:
             objects.append(builders.build_network_policy(run, rt.config.server_ingress))
     for obj in objects:

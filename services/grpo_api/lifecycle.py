@@ -57,6 +57,8 @@ from grpo_api.protocol import HealthResponse, TrainingProgress
 SERVER_POLL_SECONDS = 2.0
 INITIALIZER_POLL_SECONDS = 5.0
 TRAINER_POLL_SECONDS = 10.0
+#: Boot ids of one attempt's replicas kept in status.server.bootIds (restarts included).
+MAX_KNOWN_BOOT_IDS = 64
 #: How long the server of a running attempt may fail its health check before ServerReady turns false
 #: (a pod restart or a slow answer under load is not an outage).
 SERVER_HEALTH_GRACE_SECONDS = 30.0
@@ -127,6 +129,9 @@ class Observation:
     older_servers_alive: int = 0
     #: The server's health; None when it was not checked (see `wants_health`).
     health: HealthCheck | None = None
+    #: With several server replicas: one check per replica of the attempt the executor found (empty:
+    #: `health` is the only one).
+    replica_health: tuple[HealthCheck, ...] = ()
     trainer: TrainerState = TrainerState.ABSENT
     trainer_message: str = ""
     #: The failed trainer exited with `grpo_api.exit_codes.EXIT_INVALID_SPEC` (on a cluster, its Job failed
@@ -369,6 +374,21 @@ class _Step:
         return self.spec.mode == Mode.SERVER
 
     @property
+    def replicas(self) -> int:
+        """Server replicas of an attempt."""
+        return self.spec.effective_server.replicas
+
+    def health_checks(self) -> tuple[HealthCheck, ...]:
+        """Every replica's health check (none when the executor did not check)."""
+        if self.obs.replica_health:
+            return self.obs.replica_health
+        return (self.obs.health,) if self.obs.health is not None else ()
+
+    def known_boot_ids(self) -> set[str]:
+        server = self.status.server
+        return set(server.boot_ids) | ({server.boot_id} if server.boot_id else set())
+
+    @property
     def now(self) -> dt.datetime:
         return self.obs.now
 
@@ -471,7 +491,7 @@ class _Step:
         if provision:
             self.actions.append(Provision())
         if self.server_mode:
-            self.actions.append(EnsureServer(attempt, 1))
+            self.actions.append(EnsureServer(attempt, self.replicas))
             self.set_phase(
                 Phase.STARTING_SERVER, reason, f"attempt {attempt}: {message}; starting a fresh server"
             )
@@ -569,7 +589,7 @@ class _Step:
         attempt = self.status.attempt
         if not self.children_intact():
             return
-        self.actions.append(EnsureServer(attempt, 1))
+        self.actions.append(EnsureServer(attempt, self.replicas))
         self.status.server.message = _truncate(self.obs.server_message) or None
         started = self.status.attempt_started_at or self.now
         self.status.attempt_started_at = started
@@ -581,18 +601,21 @@ class _Step:
                 (f"waiting for {self.obs.older_servers_alive} server(s) of an earlier attempt to go away"),
             )
         else:
-            health = self.obs.health
-            verdict = self.fresh_server_verdict(health)
-            if verdict is None and health is not None and health.body is not None:
-                self.status.server.boot_id = health.body.boot_id
+            fresh, verdict = self.fresh_servers()
+            if verdict is None:
+                boots = [body.boot_id for body in fresh]
+                self.status.server.boot_id = boots[0]
+                self.status.server.boot_ids = boots
                 self.status.server.ready = True
+                self.status.server.ready_replicas = len(boots)
                 self.status.server.url = self.obs.server_url or self.status.server.url
                 self.actions.append(CreateTrainer(attempt))
+                who = (f"server {boots[0]} passed its health check" if len(boots) == 1
+                       else f"{len(boots)} server replicas ({', '.join(boots)}) passed their health checks")
                 self.set_phase(
                     Phase.TRAINING,
                     Reason.TRAINER_RUNNING,
-                    f"attempt {attempt}: server {health.body.boot_id} passed its health check after "
-                    f"{waited:.0f}s; trainer created",
+                    f"attempt {attempt}: {who} after {waited:.0f}s; trainer created",
                 )
                 self.actions.append(RequeueAfter(TRAINER_POLL_SECONDS))
                 return
@@ -608,15 +631,34 @@ class _Step:
         self.actions.append(RequeueAfter(min(SERVER_POLL_SECONDS, max(timeout - waited, 0.1))))
         self.requeue_for_deadline()
 
-    def fresh_server_verdict(self, health: HealthCheck | None) -> str | None:
-        """None when the server is fresh and healthy; otherwise why not (for the status message)."""
-        if health is None:
-            return "not checked yet"
+    def fresh_servers(self) -> tuple[list[HealthResponse], str | None]:
+        """The fresh, healthy replicas, and None when there are enough of them; otherwise why not (for the
+        status message)."""
+        checks = self.health_checks()
+        if not checks:
+            return [], "not checked yet"
+        fresh: list[HealthResponse] = []
+        problems: list[str] = []
+        for check in checks:
+            problem = self.fresh_server_verdict(check)
+            if problem is None and check.body is not None:
+                fresh.append(check.body)
+            elif problem is not None:
+                problems.append(problem)
+        if len(fresh) >= self.replicas:
+            return fresh[: self.replicas], None
+        if self.replicas == 1:
+            return fresh, problems[0] if problems else "not checked yet"
+        detail = f"; {problems[0]}" if problems else ""
+        return fresh, f"{len(fresh)} of {self.replicas} replicas fresh and healthy{detail}"
+
+    def fresh_server_verdict(self, health: HealthCheck) -> str | None:
+        """None when this server (replica) is fresh and healthy; otherwise why not."""
         if not health.healthy or health.body is None:
             return health.describe()
-        earlier = self.status.server.boot_id
-        if earlier is not None and health.body.boot_id == earlier:
-            return f"boot id {earlier} belongs to an earlier attempt"
+        boot = health.body.boot_id
+        if boot in self.known_boot_ids():
+            return f"boot id {boot} belongs to an earlier attempt"
         if health.body.adapter is not None:
             return f"server already has adapter v{health.body.adapter.version} loaded"
         return None
@@ -626,7 +668,7 @@ class _Step:
         if not self.children_intact():
             return
         if self.server_mode:
-            self.actions.append(EnsureServer(attempt, 1))
+            self.actions.append(EnsureServer(attempt, self.replicas))
             self.status.server.message = _truncate(self.obs.server_message) or None
             self.record_server()
         self.record_progress()
@@ -652,11 +694,19 @@ class _Step:
     def record_server(self) -> None:
         """ServerReady follows the server's health for the whole attempt (after a grace period); keep the
         adapter from its health; note a server that restarted under the trainer."""
-        health = self.obs.health
-        if health is None:
+        checks = self.health_checks()
+        if not checks:
             return
         server = self.status.server
-        if not health.healthy or health.body is None:
+        bodies = [c.body for c in checks if c.healthy and c.body is not None]
+        server.ready_replicas = len(bodies)
+        self.record_restarts(bodies)
+        self.record_adapter(bodies)
+        if len(bodies) < self.replicas:
+            health = next((c for c in checks if not c.healthy or c.body is None), None)
+            problem = health.describe() if health is not None else "no answer"
+            if self.replicas > 1:
+                problem = f"{len(bodies)} of {self.replicas} replicas healthy; {problem}"
             since = server.unhealthy_since or self.now
             server.unhealthy_since = since
             down = (self.now - since).total_seconds()
@@ -668,13 +718,12 @@ class _Step:
                             "Warning",
                             Reason.SERVER_UNHEALTHY,
                             f"server of attempt {self.status.attempt} has failed its health check for "
-                            f"{down:.0f}s: {health.describe()}",
+                            f"{down:.0f}s: {problem}",
                         )
                     )
-                server.message = server.message or _truncate(f"health check: {health.describe()}")
+                server.message = server.message or _truncate(f"health check: {problem}")
             self.actions.append(RequeueAfter(SERVER_POLL_SECONDS))
             return
-        body = health.body
         if server.unhealthy_since is not None and not server.ready:
             self.actions.append(
                 Emit("Normal", Reason.SERVER_READY,
@@ -682,26 +731,42 @@ class _Step:
             )
         server.unhealthy_since = None
         server.ready = True
-        if self.status.server.boot_id is not None and body.boot_id != self.status.server.boot_id:
+
+    def record_restarts(self, bodies: list[HealthResponse]) -> None:
+        """A replica answering with a boot id not seen in this attempt restarted (or replaced a lost one)."""
+        server = self.status.server
+        known = self.known_boot_ids()
+        for body in bodies:
+            if server.boot_id is None or body.boot_id in known:
+                continue
+            was = server.boot_id if self.replicas == 1 else "a lost or restarted replica"
             self.actions.append(
                 Emit(
                     "Warning",
                     "ServerRestarted",
                     f"server of attempt {self.status.attempt} restarted (boot id "
-                    f"{self.status.server.boot_id} -> {body.boot_id}); the trainer reloads its adapter",
+                    f"{was} -> {body.boot_id}); the trainer reloads its adapter",
                 )
             )
-            self.status.server.boot_id = body.boot_id
-        if body.adapter is not None:
+            if self.replicas == 1:
+                server.boot_id = body.boot_id
+            server.boot_ids = [*server.boot_ids, body.boot_id][-MAX_KNOWN_BOOT_IDS:]
+            known.add(body.boot_id)
+
+    def record_adapter(self, bodies: list[HealthResponse]) -> None:
+        """The newest adapter any replica serves."""
+        adapters = [b.adapter for b in bodies if b.adapter is not None]
+        if adapters:
+            newest = max(adapters, key=lambda a: a.version)
             self.status.adapter = AdapterStatus(
-                version=body.adapter.version, path=body.adapter.path, loaded_at=body.adapter.loaded_at
+                version=newest.version, path=newest.path, loaded_at=newest.loaded_at
             )
 
     def record_progress(self) -> None:
         progress = self.obs.progress
-        health = self.obs.health
-        if progress is None and health is not None and health.body is not None:
-            progress = health.body.progress
+        if progress is None:
+            progress = next((c.body.progress for c in self.health_checks()
+                             if c.body is not None and c.body.progress is not None), None)
         if progress is not None:
             self.status.progress = ProgressStatus(
                 step=progress.step, max_steps=progress.max_steps, reward_mean=progress.reward_mean

@@ -994,6 +994,10 @@ def _gpu_resources() -> Resources:
     return Resources(requests={"cpu": "4", "memory": "32Gi"}, limits={"nvidia.com/gpu": 1, "memory": "64Gi"})
 
 
+#: Most server replicas of one run.
+MAX_SERVER_REPLICAS = 16
+
+
 class ServerSpec(PodSettings):
     """The generation server: vLLM serving the base model plus the policy's current LoRA adapter."""
 
@@ -1015,6 +1019,14 @@ class ServerSpec(PodSettings):
     )
     resources: Resources = Field(default_factory=_gpu_resources, description="Server container resources.")
     port: int = Field(default=8000, ge=1, le=65535, description="HTTP port of the server.")
+    replicas: int = Field(
+        default=1, ge=1, le=MAX_SERVER_REPLICAS,
+        description="Server pods of an attempt, fed and synced as one. The trainer starts once every replica "
+        "passed the fresh-boot health gate; each adapter version is loaded on every replica before a batch "
+        "is generated on it (a replica that missed one gets no work until it caught up); each batch is "
+        "spread over the replicas, all completions of a prompt on one replica; the work of a lost replica "
+        "is sent to another. The trainer finds them through a headless Service (`<run>-replicas`).",
+    )
     tensor_parallel_size: int = Field(default=1, ge=1, le=64, description="vLLM tensor parallel size.")
     data_parallel_size: int = Field(default=1, ge=1, le=64, description="vLLM data parallel size.")
     gpu_memory_utilization: float = Field(
@@ -1731,7 +1743,15 @@ class ServerStatus(ApiModel):
     """What the operator last saw of the attempt's server."""
 
     boot_id: str | None = Field(default=None, description="Boot id of the server that passed the health gate.")
-    ready: bool = Field(default=False, description="The server answered its health check for this attempt.")
+    boot_ids: list[str] = Field(
+        default_factory=list, max_length=64,
+        description="Boot ids of every replica seen in this attempt (the first passed the gate with the "
+        "others); a replica whose boot id is not here restarted.",
+    )
+    ready: bool = Field(
+        default=False, description="Every replica of the attempt's server answers its health check."
+    )
+    ready_replicas: int = Field(default=0, ge=0, description="Replicas that answered their health check last.")
     url: str | None = Field(default=None, description="In-cluster URL of the server.")
     message: str | None = Field(
         default=None,

@@ -62,6 +62,20 @@ class RunPaths(BaseModel):
         )
 
 
+class ServerEndpoints(BaseModel):
+    """How the trainer finds the server's replicas: the A records of a headless Service (on a cluster,
+    looked up again whenever a replica is lost), or fixed addresses (`grpo run`'s local processes)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    replicas: int = Field(default=1, ge=1, description="Replicas the trainer waits for before it starts.")
+    dns_name: str | None = Field(
+        default=None, description="Headless Service whose A records are the ready replicas (cluster)."
+    )
+    port: int | None = Field(default=None, ge=1, le=65535, description="Port of the replicas (with dnsName).")
+    urls: list[str] = Field(default_factory=list, description="Base URLs of the replicas (local processes).")
+
+
 class RunConfig(BaseModel):
     """Everything a server or trainer process needs to know about its run."""
 
@@ -73,6 +87,9 @@ class RunConfig(BaseModel):
     spec: GRPORunSpec
     paths: RunPaths
     server_url: str = Field(description="Base URL of the generation server, as the trainer reaches it.")
+    server_endpoints: ServerEndpoints | None = Field(
+        default=None, description="Where the server's replicas are; None: server_url is the only one."
+    )
     token_file: str | None = Field(default=None, description="File holding the run's bearer token.")
     base_dir: str = Field(
         default="/", description="Directory that relative model and dataset paths are resolved against."
@@ -194,6 +211,7 @@ def run_config_for(
     token_file: str | None,
     base_dir: str | Path = "/",
     sources: ResolvedSources | None = None,
+    server_endpoints: ServerEndpoints | None = None,
 ) -> RunConfig:
     """The run-config for a run whose shared volume is mounted at volume_root.
 
@@ -211,6 +229,7 @@ def run_config_for(
         spec=run.spec,
         paths=RunPaths.under(volume_root, meta.name),
         server_url=server_url,
+        server_endpoints=server_endpoints,
         token_file=token_file,
         base_dir=str(base_dir),
     )

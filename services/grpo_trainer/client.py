@@ -31,6 +31,12 @@ BACKOFF_START_SECONDS = 0.5
 BACKOFF_CAP_SECONDS = 5.0
 #: Timeout of control calls (health, adapter load) that do no generation.
 CONTROL_TIMEOUT_SECONDS = 60.0
+#: Longest wait for a TCP connection: the address of a replica that is gone may drop packets silently.
+CONNECT_TIMEOUT_SECONDS = 5.0
+
+
+def _timeout(seconds: float) -> httpx.Timeout:
+    return httpx.Timeout(seconds, connect=min(seconds, CONNECT_TIMEOUT_SECONDS))
 
 
 @dataclass(frozen=True)
@@ -107,7 +113,7 @@ class ServerClient:
 
     def health(self) -> HealthResponse:
         """One `/health/` call; raises httpx errors, or TrainingFailed for a non-JSON answer."""
-        response = self._http.get("/health/", timeout=min(CONTROL_TIMEOUT_SECONDS, self.generation_timeout))
+        response = self._http.get("/health/", timeout=_timeout(min(CONTROL_TIMEOUT_SECONDS, self.generation_timeout)))
         response.raise_for_status()
         try:
             return HealthResponse.model_validate_json(response.content)
@@ -138,7 +144,7 @@ class ServerClient:
     def server_info(self) -> dict[str, Any]:
         """vLLM-style `/server_info` (TRL reads `model_config.logprobs_mode` from it)."""
         response = self._http.get(
-            "/server_info", params={"config_format": "json"}, timeout=CONTROL_TIMEOUT_SECONDS
+            "/server_info", params={"config_format": "json"}, timeout=_timeout(CONTROL_TIMEOUT_SECONDS)
         )
         response.raise_for_status()
         body: dict[str, Any] = response.json()
@@ -153,7 +159,7 @@ class ServerClient:
         response = self._http.post(
             "/set_lora_adapter/",
             json=request.model_dump(mode="json", exclude_none=True),
-            timeout=max(CONTROL_TIMEOUT_SECONDS, self.generation_timeout),
+            timeout=_timeout(max(CONTROL_TIMEOUT_SECONDS, self.generation_timeout)),
         )
         if 400 <= response.status_code < 500:
             error, message = _error_text(response)
@@ -170,8 +176,12 @@ class ServerClient:
         prompts: Sequence[Sequence[int]],
         n: int,
         sampling: dict[str, Any],
+        retry: bool = True,
+        timeout: float | None = None,
     ) -> Completions:
-        """`POST /v1/completions` with token-id prompts; retries transport errors and 5xx within the timeout."""
+        """`POST /v1/completions` with token-id prompts; retries transport errors and 5xx within the timeout
+        (with retry=False one try: the caller sends the work elsewhere). timeout: of the request, default
+        the generation timeout."""
         body = {
             "model": model,
             "prompt": [list(p) for p in prompts],
@@ -181,7 +191,8 @@ class ServerClient:
             "return_tokens_as_token_ids": True,
             **sampling,
         }
-        delays = backoff_delays(self.generation_timeout)
+        delays = backoff_delays(self.generation_timeout) if retry else []
+        timeout = self.generation_timeout if timeout is None else timeout
         last_error = ""
         for attempt in range(len(delays) + 1):
             if attempt:
@@ -190,7 +201,7 @@ class ServerClient:
                 time.sleep(delays[attempt - 1])
             started = time.monotonic()
             try:
-                response = self._http.post("/v1/completions", json=body, timeout=self.generation_timeout)
+                response = self._http.post("/v1/completions", json=body, timeout=_timeout(timeout))
             except httpx.HTTPError as exc:
                 last_error = f"{type(exc).__name__}: {exc}"
                 continue

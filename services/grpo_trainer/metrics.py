@@ -43,6 +43,8 @@ METRIC_NAMES: tuple[str, ...] = (
     "grpo_trainer_generation_retries_total",
     "grpo_trainer_discarded_batches_total",
     "grpo_trainer_server_restarts_total",
+    "grpo_trainer_server_replicas",
+    "grpo_trainer_server_replicas_ready",
     "grpo_trainer_staleness_steps",
     "grpo_trainer_staleness_bound_steps",
     "grpo_trainer_sync_seconds",
@@ -161,6 +163,13 @@ class TrainerMetrics:
             self.discarded_batches.labels(reason)
         self.server_restarts = Counter(
             "grpo_trainer_server_restarts", "New server boot ids seen during training.", registry=r
+        )
+        self.server_replicas = Gauge(
+            "grpo_trainer_server_replicas", "Server replicas the trainer found (discovery).", registry=r
+        )
+        self.server_replicas_ready = Gauge(
+            "grpo_trainer_server_replicas_ready",
+            "Server replicas that served the current policy at the latest batch.", registry=r,
         )
         self.staleness_steps = Histogram(
             "grpo_trainer_staleness_steps",

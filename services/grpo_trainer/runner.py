@@ -23,11 +23,11 @@ from grpo_api.protocol import ENV_ATTEMPT, HealthResponse, TrainingProgress
 from grpo_api.runconfig import RunConfig, RunConfigError, load_run_config
 from grpo_trainer.adapter_io import publish_dtype
 from grpo_trainer.checkpoints import latest_complete, remove_incomplete
-from grpo_trainer.client import ServerClient
 from grpo_trainer.config import Platform
 from grpo_trainer.errors import InvalidSpec, ServerMismatch, TrainingFailed, exit_code
 from grpo_trainer.metrics import TrainerMetrics, metrics_port
 from grpo_trainer.publish import AdapterStore
+from grpo_trainer.replicas import ServerPool, dns_discovery, static_discovery
 from grpo_trainer.sync import AdapterSync
 
 log: Callable[[str], None] = functools.partial(print, flush=True)
@@ -41,23 +41,41 @@ def attempt_from_env() -> int:
         raise TrainingFailed(f"${ENV_ATTEMPT} must be an integer, got {raw!r}") from exc
 
 
-def handshake(client: ServerClient, *, fingerprint: str, model_dir: Path, resuming: bool,
+def server_pool(cfg: RunConfig, *, token: str | None, metrics: TrainerMetrics) -> ServerPool:
+    """The run's server replicas: a headless Service's addresses, the local processes, or server_url."""
+    endpoints = cfg.server_endpoints
+    timeout = cfg.spec.trainer.generation_timeout_seconds
+    if endpoints is not None and endpoints.dns_name:
+        port = endpoints.port or cfg.spec.effective_server.port
+        discover, describe = dns_discovery(endpoints.dns_name, port), f"{endpoints.dns_name}:{port}"
+    elif endpoints is not None and endpoints.urls:
+        discover, describe = static_discovery(endpoints.urls), ", ".join(endpoints.urls)
+    else:
+        discover, describe = static_discovery([cfg.server_url]), cfg.server_url
+    return ServerPool(discover, expected=endpoints.replicas if endpoints else 1, describe=describe, token=token,
+                      generation_timeout=timeout, metrics=metrics, log=log)
+
+
+def handshake(pool: ServerPool, *, fingerprint: str, model_dir: Path, resuming: bool,
               timeout: float) -> HealthResponse:
-    """The server must serve our base model and, unless we resume, no adapter yet."""
-    health = client.wait_healthy(timeout)
-    if health.model_fingerprint != fingerprint:
-        raise ServerMismatch(
-            f"base model mismatch: server {client.base_url} serves model {health.model!r} with fingerprint "
-            f"{health.model_fingerprint}, but the trainer's base model {model_dir} has fingerprint {fingerprint}. "
-            "Training against a different base model would silently corrupt the run; point both at the same model."
-        )
-    if health.adapter is not None and not resuming:
-        raise ServerMismatch(
-            f"server {client.base_url} (boot {health.boot_id}) already has adapter v{health.adapter.version} "
-            f"({health.adapter.path}) active, but this attempt starts from step 0 with no checkpoint: it needs a "
-            "fresh server"
-        )
-    return health
+    """Every replica must serve our base model and, unless we resume, no adapter yet; the first's health."""
+    answers = pool.wait_ready(timeout)
+    for url, health in answers:
+        if health.model_fingerprint != fingerprint:
+            raise ServerMismatch(
+                f"base model mismatch: server {url} serves model {health.model!r} with fingerprint "
+                f"{health.model_fingerprint}, but the trainer's base model {model_dir} has fingerprint "
+                f"{fingerprint}. Training against a different base model would silently corrupt the run; point "
+                "both at the same model."
+            )
+        if health.adapter is not None and not resuming:
+            raise ServerMismatch(
+                f"server {url} (boot {health.boot_id}) already has adapter v{health.adapter.version} "
+                f"({health.adapter.path}) active, but this attempt starts from step 0 with no checkpoint: it "
+                "needs a fresh server"
+            )
+    pool.fingerprint = fingerprint
+    return answers[0][1]
 
 
 def run_train(config_path: str | Path | None) -> int:
@@ -98,29 +116,25 @@ def run_training(cfg: RunConfig, *, attempt: int) -> TrainingProgress:
     metrics.max_steps.set(t.max_steps)
     store = AdapterStore(Path(cfg.paths.adapter_root), fingerprint)
 
-    client: ServerClient | None = None
+    pool: ServerPool | None = None
     health: HealthResponse | None = None
     if server_mode:
-        client = ServerClient(
-            cfg.server_url,
-            token=cfg.read_token(),
-            generation_timeout=t.generation_timeout_seconds,
-            on_retry=metrics.generation_retries.inc,
-        )
-        health = handshake(client, fingerprint=fingerprint, model_dir=model_dir, resuming=resume is not None,
+        pool = server_pool(cfg, token=cfg.read_token(), metrics=metrics)
+        health = handshake(pool, fingerprint=fingerprint, model_dir=model_dir, resuming=resume is not None,
                            timeout=t.generation_timeout_seconds)
-        if health.adapter is not None:
-            store.floor = health.adapter.version
-        log(f"server {cfg.server_url} ok: model {health.model}, boot {health.boot_id}, engine {health.engine}")
-    sync = AdapterSync(store, client, metrics, boot_id=health.boot_id if health else None,
-                       retry_seconds=t.generation_timeout_seconds, log=log)
+        versions = [r.version for r in pool.replicas.values() if r.version is not None]
+        if versions:
+            store.floor = max(versions)
+        log(f"server {pool.base_url} ok: {len(pool.replicas)} replica(s), model {health.model}, boot "
+            f"{', '.join(str(r.boot_id) for r in pool.replicas.values())}, engine {health.engine}")
+    sync = AdapterSync(store, pool, metrics, retry_seconds=t.generation_timeout_seconds, log=log)
     try:
         return _train(cfg, attempt=attempt, model_dir=model_dir, resume=resume, metrics=metrics, store=store,
-                      sync=sync, client=client, health=health)
+                      sync=sync, pool=pool, health=health)
     finally:
         sync.close()
-        if client is not None:
-            client.close()
+        if pool is not None:
+            pool.close()
 
 
 def _train(
@@ -132,7 +146,7 @@ def _train(
     metrics: TrainerMetrics,
     store: AdapterStore,
     sync: AdapterSync,
-    client: ServerClient | None,
+    pool: ServerPool | None,
     health: HealthResponse | None,
 ) -> TrainingProgress:
     # Heavy imports only once the run is known to be viable.
@@ -186,16 +200,15 @@ def _train(
         "callbacks": [SessionCallback(session)],
     }
     backend: GenerationBackend | None = None
-    if client is not None and health is not None:
+    if pool is not None and health is not None:
         depth = t.prefetch_depth if t.async_prefetch else 0
         backend = GenerationBackend(
-            client, sync, store, metrics,
+            pool, sync, store, metrics,
             model_name=health.model,
             num_generations=t.num_generations,
             bound=staleness_bound(t.sync_interval, depth),
             seed=t.seed,
             current_step=session.current_step,
-            republish=session.republish,
             log=log,
         )
         with server_generation_installed(backend):

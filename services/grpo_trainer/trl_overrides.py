@@ -49,10 +49,10 @@ class _ServerInfo:
 
     def get_server_info(self) -> dict[str, Any]:
         try:
-            return self._backend.client.server_info()
+            return self._backend.pool.server_info()
         except Exception as exc:
             raise TrainingFailed(
-                f"{self._backend.client.base_url}/server_info failed ({type(exc).__name__}: {exc}); the "
+                f"{self._backend.pool.base_url}/server_info failed ({type(exc).__name__}: {exc}); the "
                 "importance-sampling correction needs to know the server's logprobs mode"
             ) from exc
 

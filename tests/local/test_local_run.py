@@ -21,13 +21,13 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def run_file(tmp: Path, model_dir: Path, dataset: Path, **trainer: Any) -> Path:
+def run_file(tmp: Path, model_dir: Path, dataset: Path, server: dict[str, Any] | None = None, **trainer: Any) -> Path:
     lo, hi = target_token_ids(model_dir)
     spec = {
         "model": {"name": "tiny", "path": str(model_dir)},
         "dataset": {"path": str(dataset)},
         "rewards": [{"function": "token_fraction", "args": {"low": lo, "high": hi}}],
-        "server": {"engine": "transformers", "maxLoraRank": 8},
+        "server": {"engine": "transformers", "maxLoraRank": 8, **(server or {})},
         "trainer": {
             "lora": {"r": 8, "alpha": 16},
             "numGenerations": 4,
@@ -135,6 +135,33 @@ def test_killing_the_server_mid_run_starts_a_new_attempt_with_a_fresh_server(
     events = (run_dir / "events.log").read_text()
     assert "TrainerFailed" in events and "Retrying" in events, events
     assert (run_dir / "logs" / "server-attempt-2.log").is_file()
+
+
+def test_two_server_replicas_share_the_batches_and_the_run_survives_losing_one(
+    tmp_path: Path, tiny_model_dir: Path, tiny_dataset: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    proc = grpo_run(run_file(tmp_path, tiny_model_dir, tiny_dataset, server={"replicas": 2}, maxSteps=6), run_dir)
+    try:
+        wait_for(lambda: progress_step(run_dir) >= 3, 400, "step 3")
+        servers = [c for c in children(run_dir) if c["role"] == "server"]
+        assert len(servers) == 2, servers
+        ports = json.loads((run_dir / "processes.json").read_text())["ports"]
+        assert len(set(ports)) == 2, ports
+        second = next(c for c in servers if c["log"].endswith("-replica-1.log"))
+        assert "POST /v1/completions" in Path(second["log"]).read_text(), "the second replica got no work"
+        os.killpg(second["pid"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=480)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["phase"] == "Succeeded" and summary["steps"] == 6 and summary["attempts"] == 1, summary
+    trainer_log = (run_dir / "logs" / "trainer-attempt-1.log").read_text()
+    assert "2 replica(s)" in trainer_log, trainer_log[-3000:]
+    # its group went to the other replica, or a sync found it gone first and it got no more work
+    assert "re-issued generation group" in trainer_log or "missed adapter v" in trainer_log, trainer_log[-3000:]
 
 
 def test_sigint_mid_run_leaves_no_child_and_no_bound_port(

@@ -246,13 +246,23 @@ class Kube:
 
     # -- children
 
-    def deployment(self, name: str) -> Any:
+    def _read(self, read: Callable[[str, str], Any], name: str) -> Any:
+        """The object, or None if there is none of that name."""
         try:
-            return self.apps.read_namespaced_deployment(name, self.namespace)
+            return read(name, self.namespace)
         except self.client.ApiException as exc:
             if exc.status == 404:
                 return None
             raise
+
+    def deployment(self, name: str) -> Any:
+        return self._read(self.apps.read_namespaced_deployment, name)
+
+    def config_map(self, name: str) -> Any:
+        return self._read(self.core.read_namespaced_config_map, name)
+
+    def service(self, name: str) -> Any:
+        return self._read(self.core.read_namespaced_service, name)
 
     def jobs(self, run: str) -> list[Any]:
         """The run's trainer Jobs (its initializer Job is `job(f"{run}-init")`)."""
@@ -260,12 +270,7 @@ class Kube:
             self.namespace, label_selector=f"grpo.dev/run={run},grpo.dev/component=trainer").items)
 
     def job(self, name: str) -> Any:
-        try:
-            return self.batch.read_namespaced_job(name, self.namespace)
-        except self.client.ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+        return self._read(self.batch.read_namespaced_job, name)
 
     def server_pods(self, run: str) -> list[Any]:
         return list(self.core.list_namespaced_pod(

@@ -38,15 +38,6 @@ def owner_uid(obj: Any) -> str | None:
     return next((r.uid for r in refs if r.kind == "GRPORun" and r.controller), None)
 
 
-def config_map(kube: Kube, name: str) -> Any:
-    try:
-        return kube.core.read_namespaced_config_map(name, kube.namespace)
-    except kube.client.ApiException as exc:
-        if exc.status == 404:
-            return None
-        raise
-
-
 def delete_run(kube: Kube, name: str) -> None:
     kube.custom.delete_namespaced_custom_object("grpo.dev", "v1alpha1", kube.namespace, "grporuns", name,
                                                 propagation_policy="Background")
@@ -60,11 +51,11 @@ def test_a_run_recreated_under_a_dying_runs_name_waits_for_its_children_and_neve
     operator: OperatorProcess, kube: Kube
 ) -> None:
     old = kube.create_run("again")
-    wait_for(lambda: config_map(kube, "again-config"), what="the first run's run-config")
+    wait_for(lambda: kube.config_map("again-config"), what="the first run's run-config")
     # A finalizer keeps the old run-config terminating after the garbage collector deletes it.
     kube.core.patch_namespaced_config_map("again-config", kube.namespace, {"metadata": {"finalizers": [HOLD]}})
     delete_run(kube, "again")
-    wait_for(lambda: config_map(kube, "again-config").metadata.deletion_timestamp, timeout=90,
+    wait_for(lambda: kube.config_map("again-config").metadata.deletion_timestamp, timeout=90,
              what="the garbage collector to delete the old run-config")
 
     new = kube.create_run("again")
@@ -76,7 +67,7 @@ def test_a_run_recreated_under_a_dying_runs_name_waits_for_its_children_and_neve
 
     cond = wait_for(waiting, timeout=30, what=f"a WaitingForOldChildren condition (now {kube.status('again')})")
     assert "ConfigMap again-config" in cond["message"] and old["metadata"]["uid"] in cond["message"]
-    assert owner_uid(config_map(kube, "again-config")) == old["metadata"]["uid"]
+    assert owner_uid(kube.config_map("again-config")) == old["metadata"]["uid"]
     assert kube.deployment("again-server") is None, "nothing of the new run may start on the old run's objects"
 
     kube.core.patch_namespaced_config_map("again-config", kube.namespace, {"metadata": {"finalizers": None}})
@@ -94,7 +85,7 @@ def test_a_run_recreated_under_a_dying_runs_name_waits_for_its_children_and_neve
         return False
 
     wait_for(old_claim_released, timeout=90, what="the old run's claim to go")
-    wait_for(lambda: (cm := config_map(kube, "again-config")) is not None and owner_uid(cm) == new["metadata"]["uid"],
+    wait_for(lambda: (cm := kube.config_map("again-config")) is not None and owner_uid(cm) == new["metadata"]["uid"],
              timeout=30, what="the new run's own run-config")
     wait_for(lambda: conditions(kube.status("again")).get("Reconciled", {}).get("status") == "True", timeout=30,
              what="Reconciled to turn True once the old children are gone")
@@ -110,7 +101,7 @@ def test_an_object_the_run_does_not_own_under_a_childs_name_fails_the_run_naming
     kube.create_run("taken")
     status = kube.wait_phase("taken", "Failed", reason="ChildConflict")
     assert "ConfigMap taken-config" in status["message"] and "not owned by this run" in status["message"]
-    assert config_map(kube, "taken-config").data == {"mine": "yes"}, "a foreign object is never changed"
+    assert kube.config_map("taken-config").data == {"mine": "yes"}, "a foreign object is never changed"
     assert kube.job("taken-init") is None and kube.deployment("taken-server") is None
     assert ("Warning", "ChildConflict") in kube.events("taken")
 

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 from grpo_api.adapters import list_versions
-from grpo_trainer.client import Completions, ServerClient
+from grpo_trainer.client import Completions
 from grpo_trainer.errors import TrainingFailed
 from grpo_trainer.generation import GenerationBackend
 from grpo_trainer.metrics import TrainerMetrics
 from grpo_trainer.publish import AdapterStore
+from grpo_trainer.replicas import ServerPool, static_discovery
 from grpo_trainer.sync import AdapterSync, SyncResult
 
 LORA_CONFIG = {"peft_type": "LORA", "r": 8, "bias": "none", "use_dora": False, "modules_to_save": None,
@@ -36,8 +37,7 @@ def saver(payload: bytes, gate: threading.Event | None = None, entered: threadin
 
 @pytest.fixture
 def sync(tmp_path: Path):
-    sync = AdapterSync(AdapterStore(tmp_path / "adapters", "fp"), None, TrainerMetrics(), boot_id="b1",
-                       retry_seconds=1)
+    sync = AdapterSync(AdapterStore(tmp_path / "adapters", "fp"), None, TrainerMetrics(), retry_seconds=1)
     yield sync
     sync.close()
 
@@ -72,14 +72,15 @@ def test_a_failed_background_sync_is_raised_by_every_later_wait_start_and_sync(s
 def test_a_generation_request_is_sent_only_after_the_sync_in_flight_is_done(sync: AdapterSync, tmp_path: Path):
     sent: list[int | None] = []
 
-    class Client(ServerClient):
+    class Pool(ServerPool):
         def completions(self, **kwargs) -> Completions:  # the server's view: the adapter active when it arrives
             sent.append(sync.active.version if sync.active else None)
             return Completions([[1]], [[-0.1]], boot_id="b1", adapter_version=sent[-1], seconds=0.01)
 
-    client = Client("http://127.0.0.1:9", token=None, generation_timeout=1)
-    gen = GenerationBackend(client, sync, sync.store, sync.metrics, model_name="m", num_generations=1, bound=1,
-                            seed=0, current_step=lambda: 1, republish=lambda: None)
+    pool = Pool(static_discovery(["http://127.0.0.1:9"]), expected=1, describe="test", token=None,
+                generation_timeout=1, metrics=sync.metrics)
+    gen = GenerationBackend(pool, sync, sync.store, sync.metrics, model_name="m", num_generations=1, bound=1,
+                            seed=0, current_step=lambda: 1)
     gate, entered = threading.Event(), threading.Event()
     sync.start(saver(b"one", gate, entered), step=1)
     assert entered.wait(5)

@@ -51,6 +51,7 @@ def all_children(run: GRPORun) -> list[dict[str, Any]]:
         b.build_config_map(run),
         b.build_token_secret(run, "t0ken"),
         b.build_service(run),
+        b.build_replica_service(run),
         b.build_network_policy(run, b.ServerIngress()),
         b.build_server_deployment(run, 1, 1),
         b.build_trainer_job(run, 1),
@@ -103,6 +104,22 @@ def test_config_map_holds_the_run_config_rendered_from_the_spec() -> None:
     assert config.server_url == "http://r1-server.team.svc:8000"
     assert config.token_file == b.TOKEN_PATH
     assert config.paths.adapter_root == "/data/adapters/r1"
+    # One replica too: the trainer always finds the server through the headless Service.
+    assert config.server_endpoints is not None
+    assert config.server_endpoints.model_dump() == {
+        "replicas": 1, "dns_name": "r1-replicas.team.svc", "port": 8000, "urls": []
+    }
+
+
+def test_config_map_names_the_replicas_headless_service_and_their_count() -> None:
+    run = make_run(server={"replicas": 4, "port": 9000})
+    data = b.build_config_map(run)["data"]
+    config = RunConfig.model_validate(yaml.safe_load(data["run-config.yaml"]))
+    endpoints = config.server_endpoints
+    assert endpoints is not None
+    assert (endpoints.replicas, endpoints.dns_name, endpoints.port) == (4, "r1-replicas.team.svc", 9000)
+    assert endpoints.dns_name.split(".")[0] == b.build_replica_service(run)["metadata"]["name"]
+    assert config.server_url == "http://r1-server.team.svc:9000"
 
 
 def test_token_secret_carries_the_given_token() -> None:
@@ -139,6 +156,28 @@ def test_service_selects_the_server_pods_on_the_http_port() -> None:
     assert service["spec"]["ports"] == [
         {"name": "http", "port": 9000, "targetPort": "http", "protocol": "TCP"}
     ]
+
+
+def test_replica_service_is_headless_and_selects_only_ready_server_pods() -> None:
+    run = make_run(server={"port": 9000, "replicas": 3})
+    service = b.build_replica_service(run)
+    deployment = b.build_server_deployment(run, 1, 3)
+    assert service["apiVersion"] == "v1" and service["kind"] == "Service"
+    assert service["metadata"]["name"] == "r1-replicas" and service["metadata"]["namespace"] == "team"
+    assert service["metadata"]["labels"] == b.build_service(run)["metadata"]["labels"]
+    assert service["metadata"]["ownerReferences"] == [b.owner_reference(run)]
+    spec = service["spec"]
+    # Headless: DNS answers with one A record per Ready pod, no virtual IP in between.
+    assert spec["clusterIP"] == "None" and spec["publishNotReadyAddresses"] is False
+    assert "type" not in spec
+    assert spec["selector"] == deployment["spec"]["selector"]["matchLabels"] == b.selector(run, b.SERVER)
+    assert pod_labels(deployment).items() >= spec["selector"].items()
+    assert spec["ports"] == [{"name": "http", "port": 9000, "targetPort": "http", "protocol": "TCP"}]
+
+
+def test_replica_service_name_is_a_dns_label_for_the_longest_run_name() -> None:
+    name = b.child_names(make_run("a" * 48)).replicas
+    assert name == "a" * 48 + "-replicas" and len(name) <= 63
 
 
 def matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
@@ -285,6 +324,26 @@ def test_scheduling_fields_reach_both_pod_templates() -> None:
         )
 
 
+def test_server_deployment_runs_the_requested_replicas_of_one_attempt_recreated_together() -> None:
+    run = make_run(server={"replicas": 4})
+    deployment = b.build_server_deployment(run, 2, 4)
+    spec = deployment["spec"]
+    assert spec["replicas"] == 4 and spec["strategy"] == {"type": "Recreate"}
+    assert spec["template"]["metadata"]["annotations"][b.ATTEMPT_ANNOTATION] == "2"
+    assert spec["template"]["metadata"]["labels"][b.ATTEMPT_LABEL] == "2"
+
+
+def test_server_replicas_on_a_claim_that_cannot_span_nodes_share_one_node() -> None:
+    many, one = make_run(server={"replicas": 2}), make_run()
+    same_node = b.Placement(same_node=True)
+    pod = b.build_server_deployment(many, 1, 2, placement=same_node)["spec"]["template"]["spec"]
+    (term,) = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"] == b.selector(many, b.SERVER)
+    assert "affinity" not in b.build_server_deployment(many, 1, 2, placement=b.Placement())["spec"]["template"]["spec"]
+    assert "affinity" not in b.build_server_deployment(one, 1, 1, placement=same_node)["spec"]["template"]["spec"]
+
+
 def test_scaled_down_server_keeps_its_definition() -> None:
     deployment = b.build_server_deployment(make_run(), 2, 0)
     assert deployment["spec"]["replicas"] == 0
@@ -327,7 +386,7 @@ def test_colocate_trainer_has_no_server_address_or_token() -> None:
     assert "token" not in volumes_of(job)
     assert volumes_of(job)["dshm"]["emptyDir"]["medium"] == "Memory"
     config = RunConfig.model_validate(yaml.safe_load(b.build_config_map(run)["data"]["run-config.yaml"]))
-    assert config.server_url == "" and config.token_file is None
+    assert config.server_url == "" and config.token_file is None and config.server_endpoints is None
 
 
 @pytest.mark.parametrize("name", ["9lives", "a" * 49, "has.dot"])
