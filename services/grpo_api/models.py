@@ -1191,6 +1191,12 @@ class StructuredOutputsSpec(ApiModel):
         return {"choice": list(self.choice or ())}
 
 
+MAX_STALENESS_MESSAGE = (
+    "trainer.maxStaleness must be at least trainer.prefetchDepth with asyncPrefetch: a prefetched batch is "
+    "that many versions behind by construction"
+)
+
+
 class TrainerSpec(PodSettings):
     """The GRPO trainer (TRL GRPOTrainer + PEFT LoRA) and its settings."""
 
@@ -1256,6 +1262,16 @@ class TrainerSpec(PodSettings):
         "measured steps 1.1-1.7x faster than TRL colocate, by how its short runs are sliced (1: 1.0-1.14x; "
         "BENCHMARKS.md).",
     )
+    max_staleness: int | None = Field(
+        default=None, ge=0, le=64,
+        description="Most policy versions a batch's policy may lag behind the step that trains on it (a version "
+        "is published every syncInterval steps); an older batch is generated again "
+        "(grpo_trainer_discarded_batches{reason=\"stale_adapter\"}), and the age of every batch is in "
+        "grpo_trainer_staleness_versions. The importance-sampling correction always uses the per-token "
+        "logprobs of the version that generated the batch. Unset: the staleness the pipeline produces by "
+        "construction, syncInterval - 1 + prefetchDepth steps (prefetchDepth counts with asyncPrefetch only). "
+        "With asyncPrefetch it must be at least prefetchDepth.",
+    )
     checkpoint_interval: int = Field(default=10, ge=1, description="Write a resumable checkpoint every N steps.")
     seed: int = Field(default=42, ge=0, description="Random seed (data order, sampling, initialisation).")
     gradient_checkpointing: bool = Field(default=False, description="Trade compute for activation memory.")
@@ -1278,6 +1294,9 @@ class TrainerSpec(PodSettings):
                 "perDeviceBatchSize × gradientAccumulationSteps "
                 f"({self.generation_batch_size}) must be divisible by numGenerations ({self.num_generations})"
             )
+        if self.async_prefetch and self.max_staleness is not None and self.max_staleness < self.prefetch_depth:
+            raise ValueError(f"{MAX_STALENESS_MESSAGE} (maxStaleness {self.max_staleness}, prefetchDepth "
+                             f"{self.prefetch_depth})")
         return self
 
 
@@ -1630,6 +1649,12 @@ TRAINER_RULES: list[dict[str, str]] = [
         "(self.perDeviceBatchSize * self.gradientAccumulationSteps) % self.numGenerations == 0",
         "perDeviceBatchSize × gradientAccumulationSteps must be divisible by numGenerations",
         fieldPath=".numGenerations",
+    ),
+    _cel(
+        "!has(self.maxStaleness) || !has(self.asyncPrefetch) || !self.asyncPrefetch || "
+        "self.maxStaleness >= (has(self.prefetchDepth) ? self.prefetchDepth : 1)",
+        MAX_STALENESS_MESSAGE,
+        fieldPath=".maxStaleness",
     ),
 ]
 

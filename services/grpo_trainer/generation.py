@@ -48,6 +48,37 @@ def staleness_bound(sync_interval: int, prefetch_depth: int) -> int:
     return sync_interval - 1 + prefetch_depth
 
 
+@dataclass(frozen=True)
+class StalenessBound:
+    """How far behind the step training on it a batch's policy may be.
+
+    A batch's age in policy versions is the number of adapter versions the trainer publishes (one every
+    syncInterval steps) between the version that generated it and the step that trains on it. With
+    `max_versions` (spec.trainer.maxStaleness) that age is the bound; without it, the staleness the
+    pipeline produces by construction (staleness_bound, in steps) is.
+    """
+
+    sync_interval: int
+    prefetch_depth: int
+    max_versions: int | None = None
+
+    @property
+    def steps(self) -> int:
+        return staleness_bound(self.sync_interval, self.prefetch_depth)
+
+    def versions(self, steps_behind: int) -> int:
+        return max(steps_behind, 0) // self.sync_interval
+
+    @property
+    def versions_allowed(self) -> int:
+        return self.max_versions if self.max_versions is not None else self.versions(self.steps)
+
+    def accepts(self, steps_behind: int) -> bool:
+        if self.max_versions is None:
+            return steps_behind <= self.steps
+        return self.versions(steps_behind) <= self.max_versions
+
+
 def generation_batches(indices: Sequence[int], chunk: int, mini_repeat: int, repeat: int) -> list[list[int]]:
     """Unique dataset rows of each generation batch in a RepeatSampler stream.
 
@@ -153,7 +184,7 @@ class GenerationBackend:
         *,
         model_name: str,
         num_generations: int,
-        bound: int,
+        bound: StalenessBound,
         seed: int,
         current_step: Callable[[], int],
         log: Callable[[str], None] = print,
@@ -173,7 +204,8 @@ class GenerationBackend:
         self._log = log
         self._request_ids = itertools.count(1)
         self.last_staleness: int | None = None
-        metrics.staleness_bound_steps.set(bound)
+        metrics.staleness_bound_steps.set(bound.steps)
+        metrics.staleness_bound_versions.set(bound.versions_allowed)
 
     def enable_prefetch(self, depth: int, tokenize_rows: Callable[[list[int]], PromptIds]) -> Prefetcher:
         self.prefetcher = Prefetcher(depth=depth, request=self._request, tokenize_rows=tokenize_rows,
@@ -201,7 +233,7 @@ class GenerationBackend:
         if result.adapter_version is not None and (latest is None or result.adapter_version > latest):
             return "unknown_adapter"
         staleness = self.staleness_of(result)
-        if staleness is None or staleness > self.bound:
+        if staleness is None or not self.bound.accepts(staleness):
             return "stale_adapter"
         return None
 
@@ -237,6 +269,7 @@ class GenerationBackend:
         if staleness is not None:
             self.last_staleness = staleness
             self.metrics.staleness_steps.observe(staleness)
+            self.metrics.staleness_versions.observe(self.bound.versions(staleness))
         self._log(
             f"generated {result.num_tokens} tokens in {result.seconds:.2f}s (adapter v{result.adapter_version}, "
             f"staleness {staleness})"

@@ -47,6 +47,8 @@ METRIC_NAMES: tuple[str, ...] = (
     "grpo_trainer_server_replicas_ready",
     "grpo_trainer_staleness_steps",
     "grpo_trainer_staleness_bound_steps",
+    "grpo_trainer_staleness_versions",
+    "grpo_trainer_staleness_bound_versions",
     "grpo_trainer_sync_seconds",
     "grpo_trainer_sync_wait_seconds",
     "grpo_trainer_sync_snapshot_seconds",
@@ -175,6 +177,18 @@ class TrainerMetrics:
             "grpo_trainer_staleness_steps",
             "Policy steps between the adapter that generated a batch and the step training on it.",
             buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.staleness_versions = Histogram(
+            "grpo_trainer_staleness_versions",
+            "Adapter versions published between the one that generated a batch and the step training on it.",
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.staleness_bound_versions = Gauge(
+            "grpo_trainer_staleness_bound_versions",
+            "Largest age of a batch's policy accepted, in versions (trainer.maxStaleness, else what syncInterval "
+            "and prefetchDepth produce).",
             registry=r,
         )
         self.staleness_bound_steps = Gauge(

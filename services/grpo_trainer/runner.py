@@ -157,7 +157,7 @@ def _train(
 
     from grpo_trainer.config import check_supported, grpo_config_kwargs, lora_config_kwargs
     from grpo_trainer.data import load_prompts
-    from grpo_trainer.generation import GenerationBackend, staleness_bound
+    from grpo_trainer.generation import GenerationBackend, StalenessBound
     from grpo_trainer.rewards import RewardContext, build_rewards
     from grpo_trainer.session import SessionCallback, TrainingSession
     from grpo_trainer.trl_overrides import ServerGRPOTrainer, check_surface, server_generation_installed
@@ -206,7 +206,7 @@ def _train(
             pool, sync, store, metrics,
             model_name=health.model,
             num_generations=t.num_generations,
-            bound=staleness_bound(t.sync_interval, depth),
+            bound=StalenessBound(t.sync_interval, depth, t.max_staleness),
             seed=t.seed,
             current_step=session.current_step,
             log=log,

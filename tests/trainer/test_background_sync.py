@@ -12,7 +12,7 @@ import pytest
 from grpo_api.adapters import list_versions
 from grpo_trainer.client import Completions
 from grpo_trainer.errors import TrainingFailed
-from grpo_trainer.generation import GenerationBackend
+from grpo_trainer.generation import GenerationBackend, StalenessBound
 from grpo_trainer.metrics import TrainerMetrics
 from grpo_trainer.publish import AdapterStore
 from grpo_trainer.replicas import ServerPool, static_discovery
@@ -79,7 +79,8 @@ def test_a_generation_request_is_sent_only_after_the_sync_in_flight_is_done(sync
 
     pool = Pool(static_discovery(["http://127.0.0.1:9"]), expected=1, describe="test", token=None,
                 generation_timeout=1, metrics=sync.metrics)
-    gen = GenerationBackend(pool, sync, sync.store, sync.metrics, model_name="m", num_generations=1, bound=1,
+    gen = GenerationBackend(pool, sync, sync.store, sync.metrics, model_name="m", num_generations=1,
+                            bound=StalenessBound(1, 1),
                             seed=0, current_step=lambda: 1)
     gate, entered = threading.Event(), threading.Event()
     sync.start(saver(b"one", gate, entered), step=1)

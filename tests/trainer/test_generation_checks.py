@@ -8,7 +8,13 @@ from pathlib import Path
 from trl.trainer.utils import RepeatSampler
 
 from grpo_trainer.client import Completions
-from grpo_trainer.generation import GenerationBackend, Prefetcher, generation_batches, staleness_bound
+from grpo_trainer.generation import (
+    GenerationBackend,
+    Prefetcher,
+    StalenessBound,
+    generation_batches,
+    staleness_bound,
+)
 from grpo_trainer.metrics import TrainerMetrics
 from grpo_trainer.publish import AdapterStore, PublishedAdapter
 from grpo_trainer.replicas import ServerPool, static_discovery
@@ -94,14 +100,17 @@ def test_prefetcher_realigns_when_batches_were_skipped_on_resume():
     assert [[2]] in requested and [[3]] in requested and [[0]] not in requested
 
 
-def backend(tmp_path: Path, step: int, bound: int) -> tuple[GenerationBackend, AdapterSync, AdapterStore]:
+def backend(
+    tmp_path: Path, step: int, bound: int | StalenessBound
+) -> tuple[GenerationBackend, AdapterSync, AdapterStore]:
     metrics = TrainerMetrics()
     store = AdapterStore(tmp_path, "fp")
     sync = AdapterSync(store, None, metrics, retry_seconds=1)
     pool = ServerPool(static_discovery(["http://127.0.0.1:9"]), expected=1, describe="test", token=None,
                       generation_timeout=1, metrics=metrics)
     gen = GenerationBackend(pool, sync, store, metrics, model_name="m", num_generations=1,
-                            bound=bound, seed=0, current_step=lambda: step)
+                            bound=bound if isinstance(bound, StalenessBound) else StalenessBound(1, bound),
+                            seed=0, current_step=lambda: step)
     return gen, sync, store
 
 
@@ -121,3 +130,22 @@ def test_answers_from_a_stale_or_unknown_adapter_are_refused(tmp_path: Path):
     store_wide._steps.update({1: 2, 2: 4, 3: 6})
     sync_wide.active = sync.active
     assert gen_wide.verdict(answer("b1", 2)) is None
+
+
+def test_max_staleness_bounds_a_batch_by_the_policy_versions_published_since_it_was_generated(tmp_path: Path):
+    """syncInterval 2: versions at steps 2, 4, 6, 8; at step 9, v1 (step 2) is 3 versions behind."""
+    bound = StalenessBound(sync_interval=2, prefetch_depth=1, max_versions=2)
+    assert [bound.versions(s) for s in (0, 1, 2, 3, 7)] == [0, 0, 1, 1, 3]
+    assert bound.accepts(5) and not bound.accepts(6)
+    assert StalenessBound(2, 1).versions_allowed == 1 and StalenessBound(2, 1).accepts(2)
+    assert not StalenessBound(2, 1).accepts(3)  # unset: the steps the pipeline produces (syncInterval - 1 + depth)
+    gen, sync, store = backend(tmp_path, step=9, bound=bound)
+    store._steps.update({1: 2, 2: 4, 3: 6, 4: 8})
+    sync.active = PublishedAdapter(version=4, step=8, path=Path("/x/v4"), sha256="x", size_bytes=1)
+    assert gen.verdict(answer("b1", 3)) is None  # step 6: 1 version behind
+    assert gen.verdict(answer("b1", 2)) is None  # step 4: 2 versions behind
+    assert gen.verdict(answer("b1", 1)) == "stale_adapter"  # step 2: 3 versions behind
+    gen._record(answer("b1", 2))
+    assert gen.metrics.staleness_versions._sum.get() == 2
+    assert gen.metrics.staleness_bound_versions._value.get() == 2
+

@@ -21,7 +21,7 @@ from trl import GRPOConfig
 
 from grpo_api.models import GRPORunSpec, StructuredOutputsSpec
 from grpo_trainer.config import Platform, grpo_config_kwargs
-from grpo_trainer.generation import GenerationBackend
+from grpo_trainer.generation import GenerationBackend, StalenessBound
 from grpo_trainer.metrics import TrainerMetrics
 from grpo_trainer.publish import AdapterStore
 from grpo_trainer.replicas import ServerPool, static_discovery
@@ -57,7 +57,7 @@ def generation_for(spec: StructuredOutputsSpec | None, server: RunningServer, tm
         ServerPool(static_discovery([server.url]), expected=1, describe=server.url, token=None,
                    generation_timeout=120, metrics=metrics),
         AdapterSync(store, None, metrics, retry_seconds=1), store, metrics, model_name="tiny",
-        num_generations=GROUP, bound=0, seed=7, current_step=lambda: 0, log=lambda _: None,
+        num_generations=GROUP, bound=StalenessBound(1, 0), seed=7, current_step=lambda: 0, log=lambda _: None,
     )
     bound = type("BoundServerGeneration", (ServerGeneration,), {"backend": backend})
     # the arguments GRPOTrainer.__init__ passes (trl/trainer/grpo_trainer.py)

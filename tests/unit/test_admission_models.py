@@ -262,6 +262,11 @@ ADMISSION_CASES: list[Case] = [
     Case("rewardCode-inline-too-many-bytes", {"rewardCode": {"inline": {"r.py": "# " + "é" * 40000}}},
          {"rewardCode": {"inline": {"r.py": "# " + "é" * 30000}}},
          "spec.rewardCode.inline", "at most 65536 bytes", "spec.rewardCode", "larger than 65536 bytes"),
+    Case("max-staleness-below-prefetch-depth",
+         {"trainer": {"asyncPrefetch": True, "prefetchDepth": 2, "maxStaleness": 1}},
+         {"trainer": {"asyncPrefetch": True, "prefetchDepth": 2, "maxStaleness": 2}},
+         "spec.trainer.maxStaleness", "at least trainer.prefetchDepth", "spec.trainer",
+         "at least trainer.prefetchDepth"),
 ]
 
 #: metadata.name: refused (both sides) and accepted.
