@@ -58,6 +58,8 @@ TOKEN_KEY = "token"
 RUN_CONFIG_PATH = f"{CONFIG_DIR}/{RUN_CONFIG_FILE}"
 TOKEN_PATH = f"{TOKEN_DIR}/{TOKEN_KEY}"
 NON_ROOT_UID = 1000
+#: The torch.distributed rendezvous port of a trainer of several pods (on the pod of completion index 0).
+RENDEZVOUS_PORT = 29500
 
 
 
@@ -110,6 +112,12 @@ class ChildNames:
 
     def trainer(self, attempt: int) -> str:
         return f"{self.run}-trainer-{attempt}"
+
+    @property
+    def trainer_rendezvous(self) -> str:
+        """The headless Service that gives the trainer pods of several-pod runs their DNS names
+        (`<job>-<index>.<run>-trainer`); one name for every attempt. At most 56 characters."""
+        return f"{self.run}-trainer"
 
 
 def child_names(run: GRPORun) -> ChildNames:
@@ -330,6 +338,25 @@ def build_replica_service(run: GRPORun) -> dict[str, Any]:
             "publishNotReadyAddresses": False,
             "selector": selector(run, SERVER),
             "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def build_trainer_service(run: GRPORun) -> dict[str, Any]:
+    """The headless Service of the trainer pods (spec.trainer.numNodes > 1): as the pods' subdomain it
+    gives each one a DNS name, `<job>-<index>.<run>-trainer`, where the other ranks find rank 0's
+    rendezvous. Not-ready pods are published: the ranks must find each other before any is Ready."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(run, child_names(run).trainer_rendezvous, TRAINER),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector(run, TRAINER),
+            "ports": [
+                {"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT, "protocol": "TCP"}
+            ],
         },
     }
 
@@ -670,6 +697,13 @@ def build_server_deployment(
 # ----------------------------------------------------------------------------------------- trainer
 
 
+def rendezvous_address(run: GRPORun, attempt: int) -> str:
+    """The DNS name of the attempt's trainer pod of completion index 0 (an Indexed Job's pod is named
+    host `<job>-<index>`; the Service of its subdomain makes `<host>.<subdomain>` resolve in the namespace)."""
+    names = child_names(run)
+    return f"{names.trainer(attempt)}-0.{names.trainer_rendezvous}"
+
+
 def build_trainer_job(
     run: GRPORun, attempt: int, images: Images | None = None, placement: Placement | None = None
 ) -> dict[str, Any]:
@@ -677,18 +711,32 @@ def build_trainer_job(
 
     A trainer that exits with EXIT_INVALID_SPEC (a configuration problem no retry fixes) fails the Job by
     its podFailurePolicy, so its Failed condition says `PodFailurePolicy` and the run fails without
-    another attempt."""
+    another attempt.
+
+    With spec.trainer.numNodes > 1 it is an Indexed Job of that many pods, all started together, under
+    the subdomain of the trainer's headless Service; each learns rank 0's address from GRPO_MASTER_ADDR
+    and GRPO_MASTER_PORT, and its own node rank from JOB_COMPLETION_INDEX (set by the Job controller).
+    One lost pod fails the Job (backoffLimit 0), hence the attempt; the next attempt resumes."""
     trainer = run.spec.trainer
     images = images or Images()
     placement = placement or Placement()
     server_mode = run.spec.mode == Mode.SERVER
+    several = trainer.num_nodes > 1
+    ours: list[dict[str, Any]] = []
+    ports = [{"name": "metrics", "containerPort": trainer.metrics_port, "protocol": "TCP"}]
+    if several:
+        ours = [
+            {"name": "GRPO_MASTER_ADDR", "value": rendezvous_address(run, attempt)},
+            {"name": "GRPO_MASTER_PORT", "value": str(RENDEZVOUS_PORT)},
+        ]
+        ports.append({"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"})
     container = {
         "name": TRAINER,
         "image": trainer.image or images.trainer,
         "imagePullPolicy": trainer.image_pull_policy,
         "command": ["grpo", "train"],
-        "ports": [{"name": "metrics", "containerPort": trainer.metrics_port, "protocol": "TCP"}],
-        "env": _env(run, attempt, [], trainer.env, token=server_mode, server=server_mode),
+        "ports": ports,
+        "env": _env(run, attempt, ours, trainer.env, token=server_mode, server=server_mode),
         "resources": _resources(trainer.resources),
         "volumeMounts": _mounts(run, _extra_mounts(trainer), shm=True, token=server_mode),
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -697,6 +745,27 @@ def build_trainer_job(
     # Colocate mode runs vLLM inside the trainer, so it gets the server's shared-memory size.
     volumes = _volumes(run, _extra_volumes(trainer), shm_size=run.spec.effective_server.shm_size, token=server_mode)
     affinity = _same_node_as_server(run) if server_mode and placement.same_node else None
+    pod = _pod_spec(run, container, volumes, "Never", affinity)
+    spec: dict[str, Any] = {"backoffLimit": 0}
+    if several:
+        pod["subdomain"] = child_names(run).trainer_rendezvous
+        spec["completionMode"] = "Indexed"
+    spec |= {
+        "completions": trainer.num_nodes,
+        "parallelism": trainer.num_nodes,
+        "podFailurePolicy": {
+            "rules": [
+                {
+                    "action": "FailJob",
+                    "onExitCodes": {"containerName": TRAINER, "operator": "In", "values": [EXIT_INVALID_SPEC]},
+                },
+            ]
+        },
+        "template": {
+            "metadata": _template_metadata(run, TRAINER, trainer, attempt),
+            "spec": pod,
+        },
+    }
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -707,23 +776,7 @@ def build_trainer_job(
             {ATTEMPT_LABEL: str(attempt)},
             {ATTEMPT_ANNOTATION: str(attempt)},
         ),
-        "spec": {
-            "backoffLimit": 0,
-            "completions": 1,
-            "parallelism": 1,
-            "podFailurePolicy": {
-                "rules": [
-                    {
-                        "action": "FailJob",
-                        "onExitCodes": {"containerName": TRAINER, "operator": "In", "values": [EXIT_INVALID_SPEC]},
-                    },
-                ]
-            },
-            "template": {
-                "metadata": _template_metadata(run, TRAINER, trainer, attempt),
-                "spec": _pod_spec(run, container, volumes, "Never", affinity),
-            },
-        },
+        "spec": spec,
     }
 
 

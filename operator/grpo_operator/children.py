@@ -129,8 +129,11 @@ class Children:
         return any(p.exit_code == code for p in self.job_pods(job_name))
 
     def trainer_problem(self, job_name: str) -> str:
-        """What went wrong in the Job's pod (exit code, reason, termination message), if anything."""
-        return next((f"pod {p.name}: {p.problem}" for p in self.job_pods(job_name) if p.problem), "")
+        """What went wrong in the Job's pod (exit code, reason, termination message), if anything. Of
+        several pods (an Indexed Job), one that failed by itself comes before those the Job controller
+        is deleting because the Job failed (their exit is the stop, not the cause)."""
+        pods = sorted(self.job_pods(job_name), key=lambda p: p.terminating)
+        return next((f"pod {p.name}: {p.problem}" for p in pods if p.problem), "")
 
     def job_pods(self, job_name: str) -> list[PodInfo]:
         """The pods of a trainer or initializer Job, newest first."""

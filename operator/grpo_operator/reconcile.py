@@ -394,6 +394,8 @@ def child_losses(rt: Runtime, run: GRPORun, children: Children) -> tuple[tuple[s
         missing.append(f"ConfigMap {names.rewards}")
     if run.spec.storage.existing_claim is None and gone("PersistentVolumeClaim", names.data):
         missing.append(f"PersistentVolumeClaim {names.data}")
+    if run.spec.trainer.num_nodes > 1 and gone("Service", names.trainer_rendezvous):
+        missing.append(f"Service {names.trainer_rendezvous}")
     if run.spec.mode == Mode.SERVER:
         if gone("Service", names.server):
             missing.append(f"Service {names.server}")
@@ -515,7 +517,9 @@ def trainer_state(
     )
     if permanent:
         # The trainer's own words (its termination log) name the field and the file; the Job's say "exit code 2".
-        said = next((p.termination_message.strip() for p in children.job_pods(name) if p.termination_message), "")
+        # With several pods, the one that exited with the code speaks, not a rank the Job controller stopped.
+        pods = sorted(children.job_pods(name), key=lambda p: p.exit_code != EXIT_INVALID_SPEC)
+        said = next((p.termination_message.strip() for p in pods if p.termination_message), "")
         message = said or message
     return job.state, message, permanent
 
@@ -584,7 +588,8 @@ def execute(rt: Runtime, run: GRPORun, children: Children, decision: Decision) -
 
 
 def provision(rt: Runtime, run: GRPORun) -> None:
-    """Run-config, volume claim, token and the Services: created once, kept as they are if they exist."""
+    """Run-config, volume claim, token and the Services (the trainer's too, with several trainer pods):
+    created once, kept as they are if they exist."""
     objects = [
         builders.build_config_map(run),
         builders.build_volume_claim(run),
@@ -598,6 +603,9 @@ def provision(rt: Runtime, run: GRPORun) -> None:
         ]
         if rt.config.server_ingress is not None:
             objects.append(builders.build_network_policy(run, rt.config.server_ingress))
+    if run.spec.trainer.num_nodes > 1:
+        # The trainer pods' subdomain, where the ranks find each other; kept until the run goes.
+        objects.append(builders.build_trainer_service(run))
     for obj in objects:
         if obj is not None:
             create_owned(rt, run, obj)

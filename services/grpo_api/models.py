@@ -1191,6 +1191,10 @@ class StructuredOutputsSpec(ApiModel):
         return {"choice": list(self.choice or ())}
 
 
+#: Most trainer pods, and processes per pod, of one run.
+MAX_TRAINER_NODES = 64
+MAX_TRAINER_PROCS_PER_NODE = 16
+
 MAX_STALENESS_MESSAGE = (
     "trainer.maxStaleness must be at least trainer.prefetchDepth with asyncPrefetch: a prefetched batch is "
     "that many versions behind by construction"
@@ -1261,6 +1265,19 @@ class TrainerSpec(PodSettings):
         "them together; each adds one step to the staleness bound. With server and trainer on one GPU, 2 "
         "measured steps 1.1-1.7x faster than TRL colocate, by how its short runs are sliced (1: 1.0-1.14x; "
         "BENCHMARKS.md).",
+    )
+    num_nodes: int = Field(
+        default=1, ge=1, le=MAX_TRAINER_NODES,
+        description="Trainer pods. Several are an indexed Job with a headless Service (`<run>-trainer`) for "
+        "the rendezvous of torch.distributed, as Kubeflow Trainer lays it out; a lost pod fails the attempt "
+        "and the next one resumes from the last checkpoint. `grpo run` starts numNodes × numProcPerNode "
+        "processes on the one machine.",
+    )
+    num_proc_per_node: int = Field(
+        default=1, ge=1, le=MAX_TRAINER_PROCS_PER_NODE,
+        description="Trainer processes per pod, launched with torchrun (DDP: one per GPU on a GPU node; gloo on "
+        "CPU). Rank 0 alone talks to the server: it gathers every process's prompts, generates them, gives "
+        "each its share, and publishes the adapter.",
     )
     max_staleness: int | None = Field(
         default=None, ge=0, le=64,

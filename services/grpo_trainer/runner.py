@@ -25,6 +25,7 @@ from grpo_trainer.adapter_io import publish_dtype
 from grpo_trainer.checkpoints import latest_complete, remove_incomplete
 from grpo_trainer.config import Platform
 from grpo_trainer.errors import InvalidSpec, ServerMismatch, TrainingFailed, exit_code
+from grpo_trainer.launch import launch, needs_launch, rank, report_exit, world_size
 from grpo_trainer.metrics import TrainerMetrics, metrics_port
 from grpo_trainer.publish import AdapterStore
 from grpo_trainer.replicas import ServerPool, dns_discovery, static_discovery
@@ -83,20 +84,26 @@ def run_train(config_path: str | Path | None) -> int:
 
     A failure's message goes to stderr and to the termination log, where the executor reads it. An
     unforeseen exception is not caught: its traceback is the log, and Python exits 1 (perhaps transient).
+    With several trainer processes (trainer.numNodes × numProcPerNode) this launches them (launch.py).
     """
     try:
         cfg = load_run_config(config_path)
+        if needs_launch(cfg.spec.trainer):
+            return launch(cfg.spec.trainer, None if config_path is None else str(config_path))
         run_training(cfg, attempt=attempt_from_env())
     except (RunConfigError, TrainingFailed) as exc:
         code = exit_code(exc)
         message = clip_final_message(str(exc))
         note = " (a configuration problem: no retry fixes it)" if code == EXIT_INVALID_SPEC else ""
         print(f"grpo train: error{note}: {message}", file=sys.stderr, flush=True)
-        try:
-            write_termination_message(message)
-        except OSError as err:
-            print(f"grpo train: cannot write the termination message: {err}", file=sys.stderr, flush=True)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # one process per pod writes its termination log
+            try:
+                write_termination_message(message)
+            except OSError as err:
+                print(f"grpo train: cannot write the termination message: {err}", file=sys.stderr, flush=True)
+        report_exit(code)
         return code
+    report_exit(EXIT_SUCCEEDED)
     return EXIT_SUCCEEDED
 
 
@@ -115,10 +122,11 @@ def run_training(cfg: RunConfig, *, attempt: int) -> TrainingProgress:
     metrics = TrainerMetrics()
     metrics.max_steps.set(t.max_steps)
     store = AdapterStore(Path(cfg.paths.adapter_root), fingerprint)
+    main = rank() == 0  # with several processes, rank 0 alone talks to the server and publishes
 
     pool: ServerPool | None = None
     health: HealthResponse | None = None
-    if server_mode:
+    if server_mode and main:
         pool = server_pool(cfg, token=cfg.read_token(), metrics=metrics)
         health = handshake(pool, fingerprint=fingerprint, model_dir=model_dir, resuming=resume is not None,
                            timeout=t.generation_timeout_seconds)
@@ -164,13 +172,15 @@ def _train(
 
     spec = cfg.spec
     t = spec.trainer
+    main = rank() == 0
+    server_mode = spec.mode == Mode.SERVER
     platform = _platform(torch)
     check_supported(spec, platform)
     check_surface()
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     dataset_path = cfg.dataset_path()
-    prompts_per_step = t.generation_batch_size // t.num_generations
+    prompts_per_step = t.generation_batch_size * world_size(t) // t.num_generations
     dataset = load_prompts(dataset_path, spec.dataset, tokenizer=tokenizer, max_prompt_length=t.max_prompt_length,
                            min_rows=prompts_per_step)
     reward_funcs, weights = build_rewards(
@@ -187,7 +197,7 @@ def _train(
         raise InvalidSpec(f"spec.trainer settings rejected by TRL: {exc}") from exc
     model = _load_model(model_dir, spec.model.dtype, quantize=t.lora.quantize_base, platform=platform)
     session = TrainingSession(sync=sync, metrics=metrics, progress_file=Path(cfg.paths.progress_file),
-                              max_steps=t.max_steps, sync_interval=t.sync_interval, attempt=attempt,
+                              max_steps=t.max_steps, sync_interval=t.sync_interval, attempt=attempt, main=main,
                               publish_dtype=publish_dtype(str(spec.server.dtype) if spec.server else "auto", model_dir),
                               log=log)
     trainer_kwargs: dict[str, Any] = {
@@ -200,7 +210,11 @@ def _train(
         "callbacks": [SessionCallback(session)],
     }
     backend: GenerationBackend | None = None
-    if pool is not None and health is not None:
+    if server_mode and not main:
+        # The other ranks hand their prompts to rank 0 and take their share of its answer.
+        with server_generation_installed(None):
+            trainer = ServerGRPOTrainer(**trainer_kwargs)
+    elif pool is not None and health is not None:
         depth = t.prefetch_depth if t.async_prefetch else 0
         backend = GenerationBackend(
             pool, sync, store, metrics,
@@ -224,10 +238,10 @@ def _train(
     session.bind(trainer)
     trainer.remove_callback(PrinterCallback)  # the session prints one line per step instead
 
-    metrics.serve(metrics_port(t.metrics_port))
-    removed = remove_incomplete(Path(cfg.paths.checkpoint_dir))
-    for path in removed:
-        log(f"removed interrupted checkpoint {path}")
+    if main:
+        metrics.serve(metrics_port(t.metrics_port))
+        for path in remove_incomplete(Path(cfg.paths.checkpoint_dir)):
+            log(f"removed interrupted checkpoint {path}")
     if resume is not None:
         log(f"resuming from {resume}")
     try:
@@ -236,7 +250,8 @@ def _train(
         if backend is not None:
             backend.close()
     progress = session.finish()
-    log(f"done: step {progress.step}/{progress.max_steps}, adapter v{progress.adapter_version}")
+    if main:
+        log(f"done: step {progress.step}/{progress.max_steps}, adapter v{progress.adapter_version}")
     return progress
 
 

@@ -16,6 +16,9 @@
 - save: wait for the sync of this step, then mark the checkpoint complete (it
   becomes resumable and names the adapter version served from it);
 - train end: wait for the last sync.
+
+With several trainer processes every rank has a session, but only rank 0 (`main`) publishes, writes
+progress and logs; a checkpoint is marked complete once every rank has written its part.
 """
 
 from __future__ import annotations
@@ -48,10 +51,12 @@ class TrainingSession:
         max_steps: int,
         sync_interval: int,
         attempt: int,
+        main: bool = True,
         publish_dtype: str = "float32",
         log: Callable[[str], None] = print,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.main = main
         self.sync = sync
         self.metrics = metrics
         self.progress_file = progress_file
@@ -117,6 +122,8 @@ class TrainingSession:
     # ------------------------------------------------------------------------------------------- events
 
     def on_train_begin(self, state: TrainerState) -> None:
+        if not self.main:
+            return
         if state.global_step > 0:
             self.publish(state.global_step, f"resumed from checkpoint-{state.global_step}")
         self.metrics.step.set(state.global_step)
@@ -131,12 +138,12 @@ class TrainingSession:
         if self._step_started is not None:
             self.metrics.step_seconds.observe(self._clock() - self._step_started)
             self._step_started = None
-        if step % self.sync_interval == 0 or step >= self.max_steps:
+        if self.main and (step % self.sync_interval == 0 or step >= self.max_steps):
             self.publish_in_background(step, "sync")
 
     def on_log(self, state: TrainerState, logs: dict[str, Any]) -> None:
         self.metrics.observe_trl_logs(logs)
-        if "reward" not in logs:
+        if "reward" not in logs or not self.main:
             return  # the end-of-training summary, not a step
         reward, std = _number(logs.get("reward")), _number(logs.get("reward_std"))
         self._last_reward = (reward, std)
@@ -151,6 +158,10 @@ class TrainingSession:
 
     def on_save(self, state: TrainerState, output_dir: str) -> None:
         self.sync.wait()  # the checkpoint names the version published from it
+        if self.trainer is not None and self.trainer.accelerator.num_processes > 1:
+            self.trainer.accelerator.wait_for_everyone()  # every rank has written its part (RNG states)
+        if not self.main:
+            return
         checkpoint = Path(output_dir) / f"checkpoint-{state.global_step}"
         version = self.sync.active.version if self.sync.active else None
         mark_complete(checkpoint, step=state.global_step, attempt=self.attempt, adapter_version=version)
@@ -161,6 +172,7 @@ class TrainingSession:
         self.sync.wait()
 
     def write_progress(self, step: int, *, done: bool) -> TrainingProgress:
+        """The progress record; rank 0 writes it to the progress file."""
         reward, std = self._last_reward
         progress = TrainingProgress(
             step=step,
@@ -173,8 +185,9 @@ class TrainingSession:
             done=done,
             updated_at=now(),
         )
-        with self._progress_lock:
-            write_progress(self.progress_file, progress)
+        if self.main:
+            with self._progress_lock:
+                write_progress(self.progress_file, progress)
         return progress
 
     def finish(self) -> TrainingProgress:

@@ -26,11 +26,15 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, ClassVar
 
+import torch
 import trl
 import trl.trainer.grpo_trainer as grpo_trainer_module
+from accelerate.utils import broadcast_object_list, gather_object
 from torch.utils.data import Sampler
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from trl import GRPOConfig, GRPOTrainer
 from trl.generation.vllm_generation import VLLMGeneration
 from trl.trainer.utils import RepeatSampler
@@ -65,10 +69,8 @@ class ServerGeneration(VLLMGeneration):
     def _init_vllm(self) -> None:
         if self.mode != "server":
             raise UnsupportedSetting(f"ServerGeneration handles vllm_mode 'server', not {self.mode!r}")
-        if self.accelerator.num_processes > 1:
-            raise UnsupportedSetting(
-                "the server-mode trainer runs as one process; launch without accelerate multi-process"
-            )
+        if not self.accelerator.is_main_process:
+            return  # only rank 0 talks to the server (see generate)
         backend = self._backend()
         sampling: dict[str, Any] = {
             "repetition_penalty": self.repetition_penalty,
@@ -103,21 +105,35 @@ class ServerGeneration(VLLMGeneration):
     ) -> tuple[list[list[int]], list[list[int]], list[list[list[float | None]]], None]:
         if images is not None and any(img is not None for img in images):
             raise UnsupportedSetting("image prompts are not supported by the server-mode trainer")
-        backend = self._backend()
-        if num_generations != backend.num_generations:
-            raise RuntimeError(f"TRL asked for {num_generations} generations, backend set up for "
-                               f"{backend.num_generations}")
-        unique = [list(p) for p in prompts[::num_generations]]
-        result = backend.generate(unique)
-        prompt_ids = [ids for ids in unique for _ in range(num_generations)]
+        accelerator = self.accelerator
+        several = accelerator.num_processes > 1
+        # As TRL's server mode: every process's prompts go to rank 0, which generates them all at once;
+        # each process takes the slice of the answer that belongs to its prompts.
+        all_prompts = [list(p) for p in (gather_object(prompts) if several else prompts)]
+        payload: tuple[list[list[int]], list[list[float | None]]] | None = None
+        if accelerator.is_main_process:
+            backend = self._backend()
+            if num_generations != backend.num_generations:
+                raise RuntimeError(f"TRL asked for {num_generations} generations, backend set up for "
+                                   f"{backend.num_generations}")
+            result = backend.generate(all_prompts[::num_generations])
+            payload = (result.completion_ids, result.logprobs)
+        if several:
+            box: list[Any] = [payload]
+            broadcast_object_list(box, from_process=0)
+            payload = box[0]
+        assert payload is not None
+        completion_ids, seq_logprobs = payload
+        mine = slice(accelerator.process_index * len(prompts), (accelerator.process_index + 1) * len(prompts))
         # TRL's shape: [sequence][position][top-k]; with logprobs=0 only the sampled token's logprob.
-        logprobs = [[[lp] for lp in seq] for seq in result.logprobs]
-        return prompt_ids, result.completion_ids, logprobs, None
+        logprobs = [[[lp] for lp in seq] for seq in seq_logprobs[mine]]
+        return all_prompts[mine], completion_ids[mine], logprobs, None
 
 
 @contextmanager
-def server_generation_installed(backend: GenerationBackend) -> Iterator[None]:
-    """While building the trainer, make GRPOTrainer construct ServerGeneration bound to backend."""
+def server_generation_installed(backend: GenerationBackend | None) -> Iterator[None]:
+    """While building the trainer, make GRPOTrainer construct ServerGeneration bound to backend (None on the
+    ranks other than 0, which never talk to the server)."""
     bound: type[VLLMGeneration] = type("BoundServerGeneration", (ServerGeneration,), {"backend": backend})
     original = grpo_trainer_module.VLLMGeneration
     grpo_trainer_module.VLLMGeneration = bound  # type: ignore[misc]
@@ -158,6 +174,19 @@ class ServerGRPOTrainer(GRPOTrainer):
             raise TrainingFailed(f"TRL's train sampler is a {type(sampler).__name__}, expected RepeatSampler")
         return ScheduleRecordingSampler(sampler, self.schedule_listener)
 
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """transformers maps a distributed run's optimizer state to args.device, which is "cpu:<rank>" with
+        several CPU processes (gloo) and which torch.load cannot place: load those onto "cpu"."""
+        if checkpoint is None or self.args.world_size <= 1 or self.args.device.type != "cpu":
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        optimizer_file = Path(checkpoint) / OPTIMIZER_NAME
+        scheduler_file = Path(checkpoint) / SCHEDULER_NAME
+        if optimizer_file.is_file() and scheduler_file.is_file():
+            assert self.optimizer is not None and self.lr_scheduler is not None  # created before resuming
+            self.optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))
+            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, map_location="cpu", weights_only=True))
+
     def prompt_token_ids(self, prompts: list[Any]) -> list[list[int]]:
         """Token ids of prompts exactly as TRL computes them before generation."""
         prompt_ids = self._tokenize_prompts(prompts)[0]
@@ -173,6 +202,7 @@ _SIGNATURES: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (VLLMGeneration, "generate", ("prompts", "images", "num_generations", "profiler")),
     (GRPOTrainer, "_get_train_sampler", ("dataset",)),
     (GRPOTrainer, "_tokenize_prompts", ("prompts",)),
+    (GRPOTrainer, "_load_optimizer_and_scheduler", ("checkpoint",)),
     (RepeatSampler, "__init__", ("data_source", "mini_repeat_count", "batch_size", "repeat_count", "shuffle",
                                  "seed")),
 )

@@ -344,6 +344,18 @@ def test_pod_monitors_select_the_pods_the_operator_builds(chart: Chart, componen
     assert sanitized[label] == run.metadata.name
 
 
+def test_the_trainer_pod_monitor_scrapes_rank_0_only_of_a_trainer_of_several_pods(chart: Chart) -> None:
+    """Only rank 0 serves /metrics: the other pods of an indexed trainer Job (completion index ≥ 1) are dropped;
+    a one-pod trainer (no index label: the empty string) and index 0 stay. Prometheus anchors the regex."""
+    monitor = one(chart.render(SCENARIOS["monitoring-on"]), "PodMonitor", f"{FULLNAME}-trainers")
+    (drop,) = [r for r in monitor["spec"]["podMetricsEndpoints"][0]["relabelings"] if r["action"] == "drop"]
+    assert drop["sourceLabels"] == ["__meta_kubernetes_pod_label_batch_kubernetes_io_job_completion_index"]
+    dropped = [v for v in ("", "0", "1", "2", "10") if re.fullmatch(drop["regex"], v)]
+    assert dropped == ["1", "2", "10"]
+    servers = one(chart.render(SCENARIOS["monitoring-on"]), "PodMonitor", f"{FULLNAME}-servers")
+    assert all(r["action"] != "drop" for r in servers["spec"]["podMetricsEndpoints"][0]["relabelings"])
+
+
 def test_pod_monitors_look_in_every_namespace_in_cluster_mode(chart: Chart) -> None:
     for monitor in find(chart.render(SCENARIOS["monitoring-on-cluster-wide"]), "PodMonitor"):
         assert monitor["spec"]["namespaceSelector"] == {"any": True}

@@ -137,13 +137,18 @@ def test_killing_the_server_mid_run_starts_a_new_attempt_with_a_fresh_server(
     assert (run_dir / "logs" / "server-attempt-2.log").is_file()
 
 
-def test_two_server_replicas_share_the_batches_and_the_run_survives_losing_one(
+def test_two_server_replicas_and_two_trainer_processes_learn_and_survive_losing_a_replica(
     tmp_path: Path, tiny_model_dir: Path, tiny_dataset: Path
 ) -> None:
+    """The learning check's workload (4 prompts × 8 completions of 12 tokens a step, lr 3e-2) on two
+    server replicas and two trainer processes (torchrun, gloo): one replica is killed at step 6."""
     run_dir = tmp_path / "run"
-    proc = grpo_run(run_file(tmp_path, tiny_model_dir, tiny_dataset, server={"replicas": 2}, maxSteps=6), run_dir)
+    path = run_file(tmp_path, tiny_model_dir, tiny_dataset, server={"replicas": 2}, numProcPerNode=2,
+                    numGenerations=8, perDeviceBatchSize=16, maxCompletionLength=12, lrScheduler="constant",
+                    maxSteps=20, checkpointInterval=10)
+    proc = grpo_run(path, run_dir)
     try:
-        wait_for(lambda: progress_step(run_dir) >= 3, 400, "step 3")
+        wait_for(lambda: progress_step(run_dir) >= 6, 600, "step 6")
         servers = [c for c in children(run_dir) if c["role"] == "server"]
         assert len(servers) == 2, servers
         ports = json.loads((run_dir / "processes.json").read_text())["ports"]
@@ -151,17 +156,25 @@ def test_two_server_replicas_share_the_batches_and_the_run_survives_losing_one(
         second = next(c for c in servers if c["log"].endswith("-replica-1.log"))
         assert "POST /v1/completions" in Path(second["log"]).read_text(), "the second replica got no work"
         os.killpg(second["pid"], signal.SIGKILL)
-        out, _ = proc.communicate(timeout=480)
+        out, _ = proc.communicate(timeout=900)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["phase"] == "Succeeded" and summary["steps"] == 6 and summary["attempts"] == 1, summary
+    assert summary["phase"] == "Succeeded" and summary["steps"] == 20 and summary["attempts"] == 1, summary
     trainer_log = (run_dir / "logs" / "trainer-attempt-1.log").read_text()
+    assert "grpo train: 2 processes (1 node(s) × 2)" in trainer_log, trainer_log[:3000]
     assert "2 replica(s)" in trainer_log, trainer_log[-3000:]
     # its group went to the other replica, or a sync found it gone first and it got no more work
     assert "re-issued generation group" in trainer_log or "missed adapter v" in trainer_log, trainer_log[-3000:]
+    lines = (run_dir / "progress" / "local-test.history.jsonl").read_text().splitlines()
+    history = [json.loads(line) for line in lines]
+    rewards = [h["reward_mean"] for h in sorted(history, key=lambda h: h["step"])]
+    first5, last5 = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    print(f"\ntwo replicas, two trainer processes: first5 {first5:.4f} last5 {last5:.4f}; "
+          f"rewards {[round(r, 3) for r in rewards]}")
+    assert last5 / first5 >= 1.5 and last5 - first5 >= 0.1, rewards
 
 
 def test_sigint_mid_run_leaves_no_child_and_no_bound_port(

@@ -401,3 +401,69 @@ def test_run_names_that_cannot_prefix_children_are_refused_naming_the_field(name
 
 def test_valid_run_name_passes_the_check() -> None:
     b.check_run(make_run("a" * 48))
+
+
+# ------------------------------------------------------------------------------- trainer of several pods
+
+
+def test_trainer_of_several_pods_is_an_indexed_job_under_the_rendezvous_subdomain() -> None:
+    run = make_run("big", trainer={"numNodes": 3, "numProcPerNode": 2,
+                                   "env": [{"name": "GRPO_MASTER_PORT", "value": "1234"}]})
+    job = b.build_trainer_job(run, 2)
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == 3
+    assert spec["backoffLimit"] == 0, "a lost pod fails the Job, hence the attempt"
+    pod = spec["template"]["spec"]
+    assert pod["subdomain"] == "big-trainer" == b.child_names(run).trainer_rendezvous
+    assert pod["restartPolicy"] == "Never"
+    env = container(job)["env"]
+    ours = {e["name"]: e["value"] for e in env[:-1]}
+    assert ours["GRPO_MASTER_ADDR"] == "big-trainer-2-0.big-trainer" == b.rendezvous_address(run, 2)
+    assert ours["GRPO_MASTER_PORT"] == str(b.RENDEZVOUS_PORT) == "29500"
+    assert "JOB_COMPLETION_INDEX" not in ours, "the Job controller sets it in Indexed mode"
+    # The user's variables come last: they may override ours on purpose.
+    assert env[-1] == {"name": "GRPO_MASTER_PORT", "value": "1234"}
+    assert container(job)["ports"] == [
+        {"name": "metrics", "containerPort": run.spec.trainer.metrics_port, "protocol": "TCP"},
+        {"name": "rendezvous", "containerPort": 29500, "protocol": "TCP"},
+    ]
+    assert b.build_trainer_job(run, 3)["spec"]["template"]["spec"]["subdomain"] == "big-trainer"
+    assert env_of(b.build_trainer_job(run, 3))["GRPO_MASTER_ADDR"] == "big-trainer-3-0.big-trainer"
+
+
+def test_trainer_service_is_headless_publishes_unready_pods_and_selects_the_trainer_pods() -> None:
+    run = make_run(trainer={"numNodes": 2})
+    service = b.build_trainer_service(run)
+    job = b.build_trainer_job(run, 1)
+    assert service["apiVersion"] == "v1" and service["kind"] == "Service"
+    meta = service["metadata"]
+    assert meta["name"] == "r1-trainer" and meta["namespace"] == "team"
+    assert meta["ownerReferences"] == [b.owner_reference(run)]
+    assert meta["labels"][b.RUN_LABEL] == "r1" and meta["labels"][b.COMPONENT_LABEL] == b.TRAINER
+    spec = service["spec"]
+    assert spec["clusterIP"] == "None" and spec["publishNotReadyAddresses"] is True
+    assert "type" not in spec
+    assert spec["selector"] == b.selector(run, b.TRAINER)
+    assert pod_labels(job).items() >= spec["selector"].items()
+    assert spec["ports"] == [{"name": "rendezvous", "port": 29500, "targetPort": 29500, "protocol": "TCP"}]
+
+
+def test_trainer_service_name_and_pod_hostnames_are_dns_labels_for_the_longest_run_name() -> None:
+    run = make_run("a" * 48, trainer={"numNodes": 64})
+    name = b.build_trainer_service(run)["metadata"]["name"]
+    assert name == "a" * 48 + "-trainer" and len(name) <= 63
+    host, subdomain = b.rendezvous_address(run, 999).split(".")
+    assert subdomain == name and host == f"{b.child_names(run).trainer(999)}-0" and len(host) <= 63
+
+
+def test_trainer_of_one_pod_is_the_job_as_before() -> None:
+    run = make_run()
+    job = b.build_trainer_job(run, 1)
+    assert job == b.build_trainer_job(make_run(trainer={"numNodes": 1, "numProcPerNode": 4}), 1)
+    spec = job["spec"]
+    assert list(spec) == ["backoffLimit", "completions", "parallelism", "podFailurePolicy", "template"]
+    assert spec["completions"] == spec["parallelism"] == 1 and "completionMode" not in spec
+    assert "subdomain" not in spec["template"]["spec"]
+    assert not any(name.startswith("GRPO_MASTER_") for name in env_of(job))
+    assert [p["name"] for p in container(job)["ports"]] == ["metrics"]

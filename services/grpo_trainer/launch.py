@@ -1,0 +1,109 @@
+"""Several trainer processes: `grpo train` launches torchrun, as TRL users launch their trainers.
+
+`spec.trainer.numNodes × numProcPerNode` processes train one policy with DDP (NCCL on GPUs, gloo on
+CPU). On a cluster each of the numNodes pods of the attempt's indexed Job runs `grpo train`, which
+starts torchrun for its numProcPerNode processes: its node rank is the pod's completion index
+(`JOB_COMPLETION_INDEX`), the rendezvous is pod 0 of the Job through the run's headless Service
+(`$GRPO_MASTER_ADDR`, `$GRPO_MASTER_PORT`, set by the operator). Without `$GRPO_MASTER_ADDR` (`grpo
+run`, one pod) all numNodes × numProcPerNode processes run on this machine.
+
+Rank 0 alone talks to the server and publishes the adapter (see trl_overrides.ServerGeneration and
+session.py). How the attempt ended is rank 0's exit code, passed back through a file, since torchrun
+itself only says that a worker failed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import FrameType
+
+from grpo_api.models import TrainerSpec
+
+ENV_MASTER_ADDR = "GRPO_MASTER_ADDR"
+ENV_MASTER_PORT = "GRPO_MASTER_PORT"
+#: Where rank 0 writes its exit code for the launcher.
+ENV_EXIT_FILE = "GRPO_TRAINER_EXIT_FILE"
+ENV_NODE_RANK = "JOB_COMPLETION_INDEX"
+
+
+def world_size(trainer: TrainerSpec) -> int:
+    return trainer.num_nodes * trainer.num_proc_per_node
+
+
+def rank() -> int:
+    """This process's global rank (0 when not launched by torchrun)."""
+    return int(os.environ.get("RANK", "0") or "0")
+
+
+def launched() -> bool:
+    """Inside a process torchrun started."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def needs_launch(trainer: TrainerSpec) -> bool:
+    return world_size(trainer) > 1 and not launched()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun_argv(trainer: TrainerSpec, config_path: str | None, env: dict[str, str]) -> list[str]:
+    """The torchrun command of this pod (or of this machine, under `grpo run`)."""
+    master = env.get(ENV_MASTER_ADDR)
+    if master:
+        nodes, per_node = trainer.num_nodes, trainer.num_proc_per_node
+        node_rank = int(env.get(ENV_NODE_RANK, "0") or "0")
+        port = int(env.get(ENV_MASTER_PORT, "29500"))
+    else:
+        nodes, per_node, node_rank = 1, world_size(trainer), 0
+        master, port = "127.0.0.1", int(env.get(ENV_MASTER_PORT) or _free_port())
+    argv = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={nodes}", f"--nproc-per-node={per_node}", f"--node-rank={node_rank}",
+        f"--master-addr={master}", f"--master-port={port}",
+        "-m", "grpo_cli.main", "train",
+    ]
+    if config_path is not None:
+        argv += ["--config", str(config_path)]
+    return argv
+
+
+def launch(trainer: TrainerSpec, config_path: str | None) -> int:
+    """Run the processes of this pod under torchrun; rank 0's exit code (torchrun's when rank 0 left none)."""
+    with tempfile.TemporaryDirectory(prefix="grpo-train-") as tmp:
+        exit_file = Path(tmp) / "exit-code"
+        env = {**os.environ, ENV_EXIT_FILE: str(exit_file)}
+        argv = torchrun_argv(trainer, config_path, env)
+        print(f"grpo train: {world_size(trainer)} processes ({trainer.num_nodes} node(s) × "
+              f"{trainer.num_proc_per_node}): {' '.join(argv[1:])}", flush=True)
+        proc = subprocess.Popen(argv, env=env)
+
+        def forward(signum: int, frame: FrameType | None) -> None:
+            proc.send_signal(signum)
+
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            code = proc.wait()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        try:
+            return int(exit_file.read_text().strip())
+        except (OSError, ValueError):
+            return code
+
+
+def report_exit(code: int) -> None:
+    """Rank 0 of a launched run leaves its exit code for the launcher."""
+    path = os.environ.get(ENV_EXIT_FILE)
+    if path and launched() and rank() == 0:
+        Path(path).write_text(str(code))
