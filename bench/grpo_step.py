@@ -36,7 +36,7 @@ from grpo_testmodels import target_token_ids
 def run_doc(name: str, model: Path, dataset: Path, steps: int, mode: str, logprobs_source: str, *,
             completion_length: int = 256, batch: int = 32, grad_accum: int = 1,
             prefetch_depth: int = 1, engine_args: dict[str, Any] | None = None,
-            server_env: dict[str, str] | None = None) -> dict[str, Any]:
+            server_env: dict[str, str] | None = None, replicas: int = 1) -> dict[str, Any]:
     lo, hi = target_token_ids(model)
     trainer = {
         "lora": {"r": 32, "alpha": 64, "targetModules": ["all-linear"]},
@@ -55,7 +55,9 @@ def run_doc(name: str, model: Path, dataset: Path, steps: int, mode: str, logpro
     }
     if mode == "server":
         trainer.update({"asyncPrefetch": True, "prefetchDepth": prefetch_depth})
-        spec["server"] = {"engine": "vllm", "gpuMemoryUtilization": 0.45, "maxModelLen": 2048, "maxLoras": 4,
+        # The server's share of the GPU (0.45) is split between its replicas.
+        spec["server"] = {"engine": "vllm", "gpuMemoryUtilization": round(0.45 / replicas, 4), "replicas": replicas,
+                          "maxModelLen": 2048, "maxLoras": 4,
                           "maxLoraRank": 32, "dtype": "bfloat16", "logprobsSource": logprobs_source,
                           "extraEngineArgs": engine_args or {},
                           "env": [{"name": k, "value": v} for k, v in (server_env or {}).items()]}
@@ -89,6 +91,8 @@ def main() -> None:
     parser.add_argument("--completion-length", type=int, default=256, help="maxCompletionLength")
     parser.add_argument("--prefetch-depth", type=int, default=1, help="prefetchDepth of our run (server mode)")
     parser.add_argument("--batch", type=int, default=32, help="perDeviceBatchSize (completions per micro-batch)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="spec.server.replicas of our run; the server's 0.45 of the GPU is split between them")
     parser.add_argument("--grad-accum", type=int, default=1,
                         help="gradientAccumulationSteps; batch x grad-accum completions per step, 8 per prompt")
     parser.add_argument("--engine-args", type=json.loads, default={},
@@ -109,7 +113,8 @@ def main() -> None:
         run_file = args.work / f"{name}.yaml"
         doc = run_doc(name, args.model, args.dataset, args.steps, mode, args.logprobs_source,
                       completion_length=args.completion_length, batch=args.batch, grad_accum=args.grad_accum,
-                      prefetch_depth=args.prefetch_depth, engine_args=args.engine_args, server_env=server_env)
+                      prefetch_depth=args.prefetch_depth, engine_args=args.engine_args, server_env=server_env,
+                      replicas=args.replicas)
         run_file.write_text(yaml.safe_dump(doc))
         run_dir = args.work / name
         log = (args.work / f"{name}.log").open("wb")
@@ -153,12 +158,14 @@ def main() -> None:
         "command": f"python bench/grpo_step.py --model {args.model} --dataset {args.dataset} --steps {args.steps} "
                    f"--completion-length {args.completion_length} --batch {args.batch} --grad-accum {args.grad_accum} "
                    f"--logprobs-source {args.logprobs_source} --prefetch-depth {args.prefetch_depth} "
+                   f"--replicas {args.replicas} "
                    + (f"--engine-args '{json.dumps(args.engine_args)}' " if args.engine_args else "")
                    + "".join(f"--server-env {item} " for item in args.server_env)
                    + "--out $OUT/grpo_step.json",
         "workload": {"completion_length": args.completion_length, "completions_per_step": args.batch * args.grad_accum,
                      "micro_batch": args.batch, "steps": args.steps, "logprobs_source": args.logprobs_source,
                      "prefetch_depth": args.prefetch_depth, "engine_args": args.engine_args,
+                     "replicas": args.replicas,
                      "server_env": server_env},
         "machine": machine(), "date": dt.date.today().isoformat(), "runs": results, "figures": figures,
         "notes": ["reward per step (ours): " + json.dumps(ours.get("reward")),

@@ -15,7 +15,7 @@
 # Knobs: TESTS_K (pytest -k for server-tests), TESTS_TIMEOUT, SKIP_DIRECT / SKIP_RELOAD (gen-server),
 # ONLY=server|colocate and LOGPROBS=sampler|auto (grpo: our run's spec.server.logprobsSource),
 # COMPLETION / BATCH / ACCUM / STEPS (grpo: the workload; e.g. COMPLETION=1024 BATCH=8 ACCUM=4 STEPS=6),
-# PREFETCH (grpo: our run's prefetchDepth, default 1), ENGINE_ARGS (grpo: JSON for our server's
+# PREFETCH (grpo: our run's prefetchDepth, default 1), REPLICAS (grpo: our server's replicas, sharing its GPU share), ENGINE_ARGS (grpo: JSON for our server's
 # extraEngineArgs), SERVER_ENV (grpo: NAME=VALUE for our server's env), SETTINGS (lora-decode: default,specialize
 # unless set; SETTINGS=dual-stream in a call of its own).
 set -uo pipefail
@@ -68,9 +68,10 @@ hardening_tests() {
 
 grpo() {
   # COMPLETION / BATCH / ACCUM / STEPS shape the workload (default: 32 completions of 256 tokens, 8 steps)
-  local work=/tmp/grpo-step-${COMPLETION:-256}
+  local work=/tmp/grpo-step-${COMPLETION:-256}${REPLICAS:+-r$REPLICAS}
   log "GRPO: ours (server mode) vs TRL colocate, completions of ${COMPLETION:-256} tokens"
-  timeout 560 $PY bench/grpo_step.py --model $M --dataset $D --steps ${STEPS:-8} --out "$OUT/grpo_step.json" \
+  timeout 560 $PY bench/grpo_step.py --model $M --dataset $D --steps ${STEPS:-8} \
+    --out "$OUT/grpo_step${REPLICAS:+_r$REPLICAS}.json" ${REPLICAS:+--replicas $REPLICAS} \
     ${ONLY:+--only $ONLY} --logprobs-source "${LOGPROBS:-sampler}" --completion-length ${COMPLETION:-256} \
     --batch ${BATCH:-32} --grad-accum ${ACCUM:-1} --prefetch-depth ${PREFETCH:-1} --work $work \
     ${ENGINE_ARGS:+--engine-args "$ENGINE_ARGS"} ${SERVER_ENV:+--server-env "$SERVER_ENV"}

@@ -41,6 +41,8 @@ RETRYABLE_REFUSALS = frozenset({"adapter_load_busy"})
 #: Once one replica has a new version, how long the others may take before they are left behind (they
 #: catch up before their next batch).
 LAGGARD_SECONDS = 20.0
+#: A sync slower than this is logged with each replica's time (and the errors it was retried after).
+SLOW_SYNC_SECONDS = 2.0
 #: A group still running this long after the slowest finished group (and at least HEDGE_FLOOR_SECONDS)
 #: is also sent to a replica that is done.
 HEDGE_FACTOR = 2.0
@@ -215,9 +217,12 @@ class ServerPool:
         another confirmed), or the retry time is spent with none confirmed: AdapterSyncFailed. A refusal
         that is not "busy" fails at once: the adapter itself is bad.
         """
+        started = time.monotonic()
         pending = self.refresh()
         delays = backoff_delays(retry_seconds)
         errors: dict[str, str] = {}
+        retried_after: dict[str, str] = {}  # the errors of replicas that confirmed later, for the log
+        took: dict[str, float] = {}
         confirmed: list[Replica] = []
         first_confirmed: float | None = None
         rounds = 0
@@ -226,13 +231,20 @@ class ServerPool:
                 time.sleep(delays[attempt - 1])
                 pending = [r for r in self.refresh() if r not in confirmed]
             rounds += 1
+            if not pending and not confirmed:
+                # None found (a replaced pod is not Ready yet, so not in DNS): look again after the delay.
+                errors[self.base_url] = "no replica found"
+                continue
+            errors.pop(self.base_url, None)
             outcomes = list(self._threads.map(lambda r: self._load(r, adapter) if self._check(r)
                                               else _Unreachable(r.trouble), pending))
             unreachable = set()
             for replica, error in zip(pending, outcomes, strict=True):
                 if error is None:
                     confirmed.append(replica)
-                    errors.pop(replica.url, None)
+                    took[replica.url] = time.monotonic() - started
+                    if replica.url in errors:
+                        retried_after[replica.url] = errors.pop(replica.url)
                     continue
                 errors[replica.url] = str(error)
                 if isinstance(error, _Unreachable):
@@ -248,6 +260,12 @@ class ServerPool:
         if not confirmed:
             raise AdapterSyncFailed(self._sync_failure(adapter, errors))
         self.target = adapter
+        if rounds > 1 or time.monotonic() - started > SLOW_SYNC_SECONDS:
+            each = ", ".join(f"{url} {seconds:.1f}s" for url, seconds in took.items())
+            why = "; ".join(f"{url}: {e[:200]}" for url, e in retried_after.items())
+            self._log(f"adapter v{adapter.version}: confirmed by {len(confirmed)} replica(s) in "
+                      f"{time.monotonic() - started:.1f}s, {rounds} round(s) ({each})"
+                      + (f"; retried after {why}" if why else ""))
         behind = [r for r in self.replicas.values() if r not in confirmed and r.url in errors]
         for replica in behind:
             replica.trouble = f"missed adapter v{adapter.version}: {errors.get(replica.url, 'unconfirmed')}"

@@ -50,8 +50,8 @@ def monitoring_crds(control_plane: ControlPlane, prometheus_operator_crds: list[
         assert applied.returncode == 0, f"{path.name}: {applied.stderr}"
         names.append(yaml.safe_load(path.read_text())["metadata"]["name"])
     for name in names:
-        waited = control_plane.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
-        assert waited.returncode == 0, f"{name}: {waited.stderr}"
+        conditions = control_plane.wait_established(name)
+        assert conditions is None, f"{name} not Established: {conditions}"
     return names
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from grpo_api.runconfig import ServerEndpoints
+from grpo_api.runconfig import ServerEndpoints, load_run_config
 from grpo_trainer.replicas import dns_discovery, group_seed, split_groups, static_discovery
 from grpo_trainer.runner import run_training
 from tests.fixtures.server import RunningServer, free_port, start_server
@@ -49,21 +49,42 @@ def completion_requests(server: RunningServer) -> float:
         r'^grpo_server_requests_total\{[^}]*endpoint="/v1/completions"[^}]*status="200"[^}]*\} (\S+)$', text, re.M))
 
 
+HOLD_REWARD = """
+import time
+from pathlib import Path
+
+HOLD = Path(__file__).with_name("hold")
+HELD = Path(__file__).with_name("held")
+
+
+def hold(prompts, completions, **kwargs):
+    \"\"\"Reward 0; while the file `hold` exists, training waits here (and says so in `held`).\"\"\"
+    while HOLD.exists():
+        HELD.touch()
+        time.sleep(0.1)
+    return [0.0] * len(completions)
+"""
+
+
 @pytest.mark.slow
 def test_two_replicas_share_the_work_a_lost_one_is_replaced_by_the_other_and_a_restarted_one_catches_up(
     tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ):
-    """The learning check's workload on two replicas: one is killed at step 6 (its work goes to the other),
-    started again at step 10 on the same address (a new boot: it gets the current adapter before any
-    work), and the run learns as on one server."""
+    """The learning check's workload on two replicas: one is killed at step 6 (its work goes to the other,
+    or a sync finds it gone first), started again on the same address while training waits at step 10 (a
+    new boot: it gets the current adapter before any work), and the run learns as on one server."""
     work = tmp_path / "server"
     a = start_server(work, tiny_model_dir)
     b = start_server(work, tiny_model_dir, port=free_port())  # same volume: both read the adapters published
+    volume = Path(load_run_config(a.run_config_path).paths.volume_root)
+    (volume / "hold_reward.py").write_text(HOLD_REWARD)  # the volume is on the rewards' import path
+    hold, held = volume / "hold", volume / "held"
     restarted: list[RunningServer] = []
     errors: list[BaseException] = []
     try:
         cfg, _ = trainer_config(
-            a, tmp_path / "run", dataset=tiny_dataset, rewards=[token_fraction(tiny_model_dir)],
+            a, tmp_path / "run", dataset=tiny_dataset,
+            rewards=[token_fraction(tiny_model_dir), {"function": "hold_reward:hold", "weight": 0.0}],
             trainer={"numGenerations": 8, "perDeviceBatchSize": 32, "maxCompletionLength": 12,
                      "learningRate": 0.03, "lrScheduler": "constant", "maxSteps": 20, "syncInterval": 1,
                      "checkpointInterval": 20, "seed": 0, "generationTimeoutSeconds": 120},
@@ -78,9 +99,13 @@ def test_two_replicas_share_the_work_a_lost_one_is_replaced_by_the_other_and_a_r
                 served_by_b.append(completion_requests(b))
                 b.kill()
                 wait_for(lambda: read_progress(cfg).step >= 10, 400, what="step 10")
+                hold.touch()
+                wait_for(held.exists, 120, what="training to wait in the reward")
                 restarted.append(start_server(work, tiny_model_dir, port=b.port))
             except BaseException as exc:
                 errors.append(exc)
+            finally:
+                hold.unlink(missing_ok=True)
 
         thread = threading.Thread(target=chaos, daemon=True)
         thread.start()
@@ -89,7 +114,7 @@ def test_two_replicas_share_the_work_a_lost_one_is_replaced_by_the_other_and_a_r
         assert not errors, errors
         out = capsys.readouterr().out
         print("\n" + "\n".join(line for line in out.splitlines()
-                               if re.match(r"(server|re-issued|generation group|discarded)", line)))
+                               if re.match(r"(server|re-issued|generation group|discarded|adapter v)", line)))
 
         assert (progress.step, progress.done) == (20, True)
         assert [int(s) for s, _, _ in STEP_LINE.findall(out)] == list(range(1, 21))
