@@ -311,54 +311,38 @@ def build_volume_claim(run: GRPORun) -> dict[str, Any] | None:
     }
 
 
-def build_service(run: GRPORun) -> dict[str, Any]:
-    port = run.spec.effective_server.port
+def _service(run: GRPORun, name: str, component: str, ports: list[dict[str, Any]], **spec: Any) -> dict[str, Any]:
+    """A Service of the run's pods of one component."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(run, child_names(run).server, SERVER),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": selector(run, SERVER),
-            "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
-        },
+        "metadata": _metadata(run, name, component),
+        "spec": {**spec, "selector": selector(run, component), "ports": ports},
     }
+
+
+def _http_port(run: GRPORun) -> list[dict[str, Any]]:
+    return [{"name": "http", "port": run.spec.effective_server.port, "targetPort": "http", "protocol": "TCP"}]
+
+
+def build_service(run: GRPORun) -> dict[str, Any]:
+    return _service(run, child_names(run).server, SERVER, _http_port(run), type="ClusterIP")
 
 
 def build_replica_service(run: GRPORun) -> dict[str, Any]:
     """The headless Service of the server's replicas: its DNS name resolves to one A record per Ready
     server pod (not-ready ones are left out), so the trainer reaches each replica itself."""
-    port = run.spec.effective_server.port
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _metadata(run, child_names(run).replicas, SERVER),
-        "spec": {
-            "clusterIP": "None",
-            "publishNotReadyAddresses": False,
-            "selector": selector(run, SERVER),
-            "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
-        },
-    }
+    return _service(run, child_names(run).replicas, SERVER, _http_port(run), clusterIP="None",
+                    publishNotReadyAddresses=False)
 
 
 def build_trainer_service(run: GRPORun) -> dict[str, Any]:
     """The headless Service of the trainer pods (spec.trainer.numNodes > 1): as the pods' subdomain it
     gives each one a DNS name, `<job>-<index>.<run>-trainer`, where the other ranks find rank 0's
     rendezvous. Not-ready pods are published: the ranks must find each other before any is Ready."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _metadata(run, child_names(run).trainer_rendezvous, TRAINER),
-        "spec": {
-            "clusterIP": "None",
-            "publishNotReadyAddresses": True,
-            "selector": selector(run, TRAINER),
-            "ports": [
-                {"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT, "protocol": "TCP"}
-            ],
-        },
-    }
+    ports = [{"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT, "protocol": "TCP"}]
+    return _service(run, child_names(run).trainer_rendezvous, TRAINER, ports, clusterIP="None",
+                    publishNotReadyAddresses=True)
 
 
 # ---------------------------------------------------------------------------------- network policy

@@ -103,6 +103,8 @@ def grpo_config_kwargs(
         "fp16": use_fp16,
         "gradient_checkpointing": t.gradient_checkpointing,
         "dataloader_num_workers": 0,
+        # Several trainer processes (DDP): every LoRA parameter takes part in each forward pass.
+        "ddp_find_unused_parameters": False,
     }
     if colocate:
         kwargs["vllm_enable_sleep_mode"] = True

@@ -264,6 +264,22 @@ class Kube:
     def service(self, name: str) -> Any:
         return self._read(self.core.read_namespaced_service, name)
 
+    def delete_service_and_see_it_restored(self, run: str, name: str) -> Any:
+        """Delete a run's Service; the one the operator creates again (a new uid), once its ChildRestored
+        event names it."""
+        before = self.service(name)
+        assert before is not None, f"Service {name} does not exist"
+        self.core.delete_namespaced_service(name, self.namespace)
+        again = wait_for(lambda: (svc := self.service(name)) is not None and svc.metadata.uid != before.metadata.uid
+                         and svc, timeout=30, what=f"Service {name} to be created again")
+
+        def restored() -> bool:
+            found = self.core.list_namespaced_event(self.namespace, field_selector=f"involvedObject.name={run}")
+            return any(e.reason == "ChildRestored" and f"Service {name}" in e.message for e in found.items)
+
+        wait_for(restored, what=f"a ChildRestored event naming Service {name}")
+        return again
+
     def jobs(self, run: str) -> list[Any]:
         """The run's trainer Jobs (its initializer Job is `job(f"{run}-init")`)."""
         return list(self.batch.list_namespaced_job(

@@ -65,14 +65,8 @@ def test_two_trainer_pods_get_an_indexed_job_and_their_rendezvous_service_comes_
     assert service.spec.selector == {"grpo.dev/run": "nodes", "grpo.dev/component": "trainer"}
     assert [(p.name, p.port, p.protocol) for p in service.spec.ports] == [("rendezvous", 29500, "TCP")]
 
-    kube.core.delete_namespaced_service("nodes-trainer", kube.namespace)
-    again = wait_for(lambda: (s := kube.service("nodes-trainer")) is not None
-                     and s.metadata.uid != service.metadata.uid and s,
-                     timeout=30, what="the trainer's Service to be created again")
+    again = kube.delete_service_and_see_it_restored("nodes", "nodes-trainer")
     assert again.spec.cluster_ip == "None"
-    wait_for(lambda: ("Warning", "ChildRestored") in kube.events("nodes"), what="a ChildRestored event")
-    found = kube.core.list_namespaced_event(kube.namespace, field_selector="involvedObject.name=nodes").items
-    assert any("Service nodes-trainer" in e.message for e in found if e.reason == "ChildRestored")
     status = kube.status("nodes")
     assert status["phase"] == "Training" and status["attempt"] == 1, "a missing Service ends no attempt"
     assert [j.metadata.name for j in kube.jobs("nodes")] == ["nodes-trainer-1"]
