@@ -111,14 +111,6 @@ class TrainingSession:
         )
         self.write_progress(step, done=False)
 
-    def republish(self) -> None:
-        """After a server restart: make the trainer's current policy active on the new server."""
-        self.sync.wait()
-        step = self.current_step()
-        if step == 0 and self.sync.active is None:
-            return  # nothing trained yet: the fresh server's base model is the policy
-        self.publish(step, "server restarted")
-
     # ------------------------------------------------------------------------------------------- events
 
     def on_train_begin(self, state: TrainerState) -> None:

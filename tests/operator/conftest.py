@@ -296,6 +296,11 @@ class Kube:
         found = self.core.list_namespaced_event(self.namespace, field_selector=f"involvedObject.name={run}")
         return [(e.type, e.reason) for e in sorted(found.items, key=lambda e: e.metadata.creation_timestamp)]
 
+    def wait_event(self, run: str, type_: str, reason: str, timeout: float = 30) -> None:
+        """Wait for an event of the run: the operator posts them after the status of the reconcile that
+        decided them is recorded, so they may trail what a test saw change."""
+        wait_for(lambda: (type_, reason) in self.events(run), timeout=timeout, what=f"a {type_} {reason} event")
+
     # -- playing the kubelet
 
     def finish_trainer(self, job_name: str, succeeded: bool) -> None:

@@ -9,6 +9,7 @@ against the same API server, to reproduce a state (a crash between two writes, a
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -103,7 +104,7 @@ def test_an_object_the_run_does_not_own_under_a_childs_name_fails_the_run_naming
     assert "ConfigMap taken-config" in status["message"] and "not owned by this run" in status["message"]
     assert kube.config_map("taken-config").data == {"mine": "yes"}, "a foreign object is never changed"
     assert kube.job("taken-init") is None and kube.deployment("taken-server") is None
-    assert ("Warning", "ChildConflict") in kube.events("taken")
+    kube.wait_event("taken", "Warning", "ChildConflict")
 
 
 def test_a_limit_the_namespace_sets_that_refuses_a_child_fails_the_run_at_once_with_the_api_servers_words(
@@ -117,7 +118,9 @@ def test_a_limit_the_namespace_sets_that_refuses_a_child_fails_the_run_at_once_w
     status = kube.wait_phase("quota", "Failed", reason="ChildRejected", timeout=30)
     assert "refused by the API server" in status["message"] and "500Mi" in status["message"], status
     assert conditions(status)["Failed"]["reason"] == "ChildRejected"
-    # One refusal, one event: no retry storm.
+    # One refusal, one event: no retry storm (a storm would add more within a few reconcile intervals).
+    kube.wait_event("quota", "Warning", "ChildRejected")
+    time.sleep(3)
     events = [e for e in kube.events("quota") if e[1] == "ChildRejected"]
     assert len(events) == 1, events
 
@@ -150,14 +153,14 @@ def test_children_deleted_mid_attempt_are_restored_and_a_deleted_token_ends_the_
         return owner_uid(service) == uid and owner_uid(policy) == uid and not service.metadata.deletion_timestamp
 
     wait_for(restored, timeout=30, what="the Service and NetworkPolicy to be created again")
-    assert ("Warning", "ChildRestored") in kube.events("mid")
+    kube.wait_event("mid", "Warning", "ChildRestored")
     assert kube.status("mid")["phase"] == "Training" and kube.status("mid")["attempt"] == 1
 
     old_token = kube.core.read_namespaced_secret("mid-token", kube.namespace).metadata.uid
     kube.core.delete_namespaced_secret("mid-token", kube.namespace)
     status = kube.wait_phase("mid", "StartingServer", timeout=60)
     assert status["attempt"] == 2 and status["failedAttempts"] == 1
-    assert ("Warning", "ChildDeleted") in kube.events("mid")
+    kube.wait_event("mid", "Warning", "ChildDeleted")
     wait_for(lambda: kube.job("mid-trainer-1") is None or kube.job("mid-trainer-1").metadata.deletion_timestamp,
              timeout=30, what="the trainer of the ended attempt to be deleted")
     new_token = wait_for(lambda: kube.core.read_namespaced_secret("mid-token", kube.namespace), timeout=30,

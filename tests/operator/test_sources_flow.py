@@ -88,7 +88,7 @@ def test_initializer_runs_once_before_the_server_and_every_pod_carries_the_sourc
     config = kube.core.read_namespaced_config_map("src-config", kube.namespace)
     sources = yaml.safe_load(config.data["run-config.yaml"])["sources"]
     assert sources["modelDir" if "modelDir" in sources else "model_dir"] == "/mnt/grpo/claims/models/tiny"
-    assert ("Normal", "SourcesReady") in kube.events("src")
+    kube.wait_event("src", "Normal", "SourcesReady")
 
 
 def test_a_failed_initializer_fails_the_run_before_any_server_naming_the_problem(
@@ -102,7 +102,7 @@ def test_a_failed_initializer_fails_the_run_before_any_server_naming_the_problem
     assert kube.deployment("bad-server") is None, "no server for a run whose sources fail"
     assert kube.jobs("bad") == []
     assert len(kube.initializer_pods("bad")) == 1, "a permanent failure is not retried"
-    assert ("Warning", "SourceUnavailable") in kube.events("bad")
+    kube.wait_event("bad", "Warning", "SourceUnavailable")
     conditions = {c["type"]: c for c in status["conditions"]}
     assert conditions["SourcesReady"]["status"] == "False"
     assert conditions["SourcesReady"]["reason"] == "SourceUnavailable"
