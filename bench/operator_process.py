@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -44,3 +46,8 @@ def start_operator(
         time.sleep(0.2)
     time.sleep(settle_seconds)  # kopf's initial listing
     return proc, port
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine a figure was measured on, and how busy it was."""
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_1m": round(os.getloadavg()[0], 2)}

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import signal
 import sys
@@ -32,7 +31,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.operator_process import start_operator  # noqa: E402
+from bench.operator_process import machine_info, start_operator  # noqa: E402
 from grpo_api.models import GRPORun  # noqa: E402
 from grpo_operator import builders  # noqa: E402
 from tests.fixtures.controlplane import CRD_FILE, build_testbin, start_control_plane  # noqa: E402
@@ -161,8 +160,7 @@ def main() -> None:
         "direct": baseline,
         "operator": operator,
         "operator_over_direct": round(operator["seconds"] / baseline["seconds"], 2),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "load_average_1m": round(os.getloadavg()[0], 2)},
+        "machine": machine_info(),
         "logs": str(workdir),
     }
     print(json.dumps(result, indent=2))

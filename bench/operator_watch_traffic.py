@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -34,7 +33,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.operator_process import start_operator  # noqa: E402
+from bench.operator_process import machine_info, start_operator  # noqa: E402
 from tests.fixtures.controlplane import CRD_FILE, ControlPlane, build_testbin, start_control_plane  # noqa: E402
 
 NAMESPACE = "traffic"
@@ -149,8 +148,7 @@ def main() -> None:
         "sent_to_all_watchers": {case: {k: round(v) for k, v in r.items()} for case, r in results.items()},
         "operator_share": share,
         "baseline_ref": args.baseline_ref,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "load_average_1m": round(os.getloadavg()[0], 2)},
+        "machine": machine_info(),
         "logs": str(workdir),
     }
     print(json.dumps(out, indent=2))

@@ -120,27 +120,6 @@ class ServerClient:
         except ValidationError as exc:
             raise TrainingFailed(f"{self.base_url}/health/ answered an unexpected body: {exc}") from exc
 
-    def wait_healthy(self, timeout: float) -> HealthResponse:
-        """Poll `/health/` until it answers 200, or fail after timeout seconds naming the last error."""
-        deadline = time.monotonic() + timeout
-        last_error = "no answer"
-        delay = BACKOFF_START_SECONDS
-        while True:
-            try:
-                return self.health()
-            except httpx.HTTPStatusError as exc:
-                last_error = f"HTTP {exc.response.status_code}: {exc.response.text[:200]}"
-            except httpx.HTTPError as exc:
-                last_error = f"{type(exc).__name__}: {exc}"
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ServerUnavailable(
-                    f"generation server {self.base_url} did not answer GET /health/ within {timeout:g}s "
-                    f"(trainer.generationTimeoutSeconds); last error: {last_error}"
-                )
-            time.sleep(min(delay, remaining))
-            delay = min(delay * 2, BACKOFF_CAP_SECONDS)
-
     def server_info(self) -> dict[str, Any]:
         """vLLM-style `/server_info` (TRL reads `model_config.logprobs_mode` from it)."""
         response = self._http.get(

@@ -135,7 +135,7 @@ def run_training(cfg: RunConfig, *, attempt: int) -> TrainingProgress:
             store.floor = max(versions)
         log(f"server {pool.base_url} ok: {len(pool.replicas)} replica(s), model {health.model}, boot "
             f"{', '.join(str(r.boot_id) for r in pool.replicas.values())}, engine {health.engine}")
-    sync = AdapterSync(store, pool, metrics, retry_seconds=t.generation_timeout_seconds, log=log)
+    sync = AdapterSync(store, pool, metrics, retry_seconds=t.generation_timeout_seconds)
     try:
         return _train(cfg, attempt=attempt, model_dir=model_dir, resume=resume, metrics=metrics, store=store,
                       sync=sync, pool=pool, health=health)

@@ -44,14 +44,12 @@ class AdapterSync:
         metrics: TrainerMetrics,
         *,
         retry_seconds: float,
-        log: Callable[[str], None] = print,
     ) -> None:
         self.store = store
         self.pool = pool
         self.metrics = metrics
         self.retry_seconds = retry_seconds
         self.active: PublishedAdapter | None = None
-        self._log = log
         # Starts its one thread at the first background sync.
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpo-sync")
         self._pending: concurrent.futures.Future[SyncResult] | None = None
