@@ -24,6 +24,7 @@ from pathlib import Path
 from types import FrameType
 
 from grpo_api.models import TrainerSpec
+from grpo_trainer.errors import InvalidSpec
 
 ENV_MASTER_ADDR = "GRPO_MASTER_ADDR"
 ENV_MASTER_PORT = "GRPO_MASTER_PORT"
@@ -56,16 +57,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _env_int(env: dict[str, str], name: str, default: int, low: int, high: int) -> int:
+    raw = env.get(name) or str(default)
+    if not raw.isdigit() or not low <= int(raw) <= high:
+        raise InvalidSpec(f"${name} must be a whole number from {low} to {high}, got {raw[:40]!r} (trainer.env)")
+    return int(raw)
+
+
 def torchrun_argv(trainer: TrainerSpec, config_path: str | None, env: dict[str, str]) -> list[str]:
     """The torchrun command of this pod (or of this machine, under `grpo run`)."""
     master = env.get(ENV_MASTER_ADDR)
     if master:
         nodes, per_node = trainer.num_nodes, trainer.num_proc_per_node
-        node_rank = int(env.get(ENV_NODE_RANK, "0") or "0")
-        port = int(env.get(ENV_MASTER_PORT, "29500"))
+        node_rank = _env_int(env, ENV_NODE_RANK, 0, 0, trainer.num_nodes - 1)
+        port = _env_int(env, ENV_MASTER_PORT, 29500, 1, 65535)
     else:
         nodes, per_node, node_rank = 1, world_size(trainer), 0
-        master, port = "127.0.0.1", int(env.get(ENV_MASTER_PORT) or _free_port())
+        master, port = "127.0.0.1", _env_int(env, ENV_MASTER_PORT, _free_port(), 1, 65535)
     argv = [
         sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={nodes}", f"--nproc-per-node={per_node}", f"--node-rank={node_rank}",

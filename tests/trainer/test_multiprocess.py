@@ -11,6 +11,7 @@ import pytest
 
 from grpo_api.models import TrainerSpec
 from grpo_api.runconfig import ServerEndpoints
+from grpo_trainer.errors import InvalidSpec
 from grpo_trainer.launch import torchrun_argv, world_size
 from tests.fixtures.server import RunningServer, free_port, start_server
 from tests.trainer.test_trainer_with_server import (
@@ -36,6 +37,9 @@ def test_torchrun_runs_every_process_here_without_a_rendezvous_address_and_one_p
     assert {"--nnodes=3", "--nproc-per-node=2", "--node-rank=2", "--master-addr=r-trainer-1-0.r-trainer",
             "--master-port=29500"} <= set(pod)
     assert pod[-2:] == ["grpo_cli.main", "train"]
+    for bad in ({"GRPO_MASTER_PORT": "29500; rm -rf /"}, {"GRPO_MASTER_PORT": "70000"}, {"JOB_COMPLETION_INDEX": "3"}):
+        with pytest.raises(InvalidSpec, match=next(iter(bad))):
+            torchrun_argv(trainer, None, {"GRPO_MASTER_ADDR": "r-trainer-1-0.r-trainer", **bad})
 
 
 @pytest.mark.slow
