@@ -8,7 +8,7 @@
 #   bash bench/gpu/session.sh gen-offline            # LLM.generate variants + HF generate (+ py-spy)
 #   bash bench/gpu/session.sh gen-server             # engine direct, server HTTP, adapter sync, reload
 #   bash bench/gpu/session.sh lora-decode            # LoRA decode cost at step batch sizes, per vLLM setting
-#   bash bench/gpu/session.sh trainer-gpu-tests      # the trainer's CUDA-only tests (needs no vLLM)
+#   bash bench/gpu/session.sh trainer-gpu-tests      # the trainer's CUDA-only tests (needs TRL, no vLLM)
 # py-spy profiles are taken when a py-spy wheel was carried to /tmp/stage (installed to /tmp/pyspy):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux_2_17_x86_64 --platform manylinux_2_5_x86_64 -d .device-stage/p1 py-spy
@@ -100,8 +100,10 @@ gen_server() {
 
 trainer_gpu_tests() {
   log "trainer tests that need a GPU"
-  timeout 300 $PY -m pytest tests/trainer/test_adapter_io.py -q -p no:cacheprovider -o addopts="" -k gpu -rsfE \
+  timeout 540 $PY -m pytest tests/trainer/test_adapter_io.py tests/trainer/test_fsdp.py -q -p no:cacheprovider \
+    -o addopts="" -k gpu -rsfE -s --basetemp=/tmp/trainer-gpu-tests \
     --junitxml="$OUT/trainer_gpu_tests.xml" > "$OUT/trainer_gpu_tests.log" 2>&1
+  cp /tmp/trainer-gpu-tests/fsdp-*.log "$OUT/" 2>/dev/null
   tail -5 "$OUT/trainer_gpu_tests.log"
 }
 

@@ -1120,6 +1120,13 @@ class Level(StrEnum):
     SEQUENCE = "sequence"
 
 
+class Strategy(StrEnum):
+    """How several trainer processes share the policy (PyTorch Lightning's names)."""
+
+    DDP = "ddp"
+    FSDP = "fsdp"
+
+
 class ImportanceSamplingMode(StrEnum):
     TRUNCATE = "truncate"
     MASK = "mask"
@@ -1278,6 +1285,15 @@ class TrainerSpec(PodSettings):
         description="Trainer processes per pod, launched with torchrun (DDP: one per GPU on a GPU node; gloo on "
         "CPU). Rank 0 alone talks to the server: it gathers every process's prompts, generates them, gives "
         "each its share, and publishes the adapter.",
+    )
+    strategy: Strategy = Field(
+        default=Strategy.DDP,
+        description="How the numNodes × numProcPerNode processes hold the policy. ddp: every process holds all "
+        "of it and gradients are averaged (fastest while the model, its gradients and optimizer state fit one "
+        "device). fsdp: PyTorch FSDP2 through Accelerate, as TRL users select it: parameters, gradients and "
+        "optimizer state sharded over every process by decoder layer (the layout of DeepSpeed ZeRO-3), for a "
+        "policy that does not fit one device; gradientCheckpointing becomes FSDP activation checkpointing, and "
+        "each published adapter is gathered from the shards first.",
     )
     max_staleness: int | None = Field(
         default=None, ge=0, le=64,

@@ -380,6 +380,7 @@ def _check_weights(weights: Path, served: ServedModel, max_rank: int) -> None:
     ]
     if bad:
         raise AdapterRefusal("adapter_unsupported", f"{weights}: tensors plain LoRA cannot serve: {bad[:3]}")
+    _check_pairs(weights, shapes)
     wrong_model, too_large = _shape_problems(shapes, served.linear_shapes, max_rank)
     if too_large:
         raise AdapterRefusal(
@@ -390,6 +391,39 @@ def _check_weights(weights: Path, served: ServedModel, max_rank: int) -> None:
             "adapter_base_model_mismatch",
             f"{weights}: tensors that do not fit {served.name}'s layers: {'; '.join(wrong_model[:3])}",
         )
+
+
+def _check_pairs(weights: Path, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Only LoRA weights, at least one module's, each module with both halves of one rank.
+
+    An engine skips tensors it has no use for: an adapter with none it can use (an empty file, a
+    lora_A without its lora_B, names of no LoRA weight) would be served as the base model under the
+    adapter's name, and a trainer would learn from generations that never saw its policy."""
+    halves: dict[str, dict[str, tuple[int, ...]]] = {}
+    foreign = []
+    for key, shape in shapes.items():
+        match = LORA_KEY.match(key)
+        if match is None:
+            foreign.append(key)
+        else:
+            halves.setdefault(match["module"], {})[match["half"]] = shape
+    if foreign:
+        raise AdapterRefusal(
+            "adapter_unsupported", f"{weights}: tensors that are not LoRA weights (<module>.lora_A.weight, "
+            f"<module>.lora_B.weight): {sorted(foreign)[:3]}"
+        )
+    if not halves:
+        raise AdapterRefusal("adapter_weights_invalid", f"{weights} holds no LoRA tensors")
+    for module, pair in sorted(halves.items()):
+        if set(pair) != {"A", "B"}:
+            missing = "B" if "A" in pair else "A"
+            raise AdapterRefusal("adapter_weights_invalid", f"{weights}: {module} has no lora_{missing} tensor")
+        a, b = pair["A"], pair["B"]
+        if len(a) == 2 and len(b) == 2 and a[0] != b[1]:
+            raise AdapterRefusal(
+                "adapter_weights_invalid",
+                f"{weights}: {module}'s lora_A is {list(a)} and lora_B {list(b)}: their ranks differ",
+            )
 
 
 def _shape_problems(

@@ -13,9 +13,9 @@ import datetime as dt
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from grpo_api.fingerprint import model_fingerprint
 from grpo_api.protocol import (
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -229,8 +230,9 @@ class GenerationService:
             self._refused(refusal)
             raise
         started = time.perf_counter()
+        phases: dict[str, float] = {}
         try:
-            adapter = await self._load_and_activate(engine, request, ours)
+            adapter = await self._load_and_activate(engine, request, ours, phases)
         except AdapterRefusal as refusal:
             self._refused(refusal)
             raise
@@ -239,17 +241,22 @@ class GenerationService:
         seconds = time.perf_counter() - started
         metrics.ADAPTER_LOADS.inc()
         metrics.ADAPTER_LOAD_DURATION.observe(seconds)
-        log.info("adapter %s active (%s) in %.3fs", adapter.info.name, adapter.info.path, seconds)
+        log.info("adapter %s active (%s) in %.3fs (%s)", adapter.info.name, adapter.info.path, seconds,
+                 ", ".join(f"{phase} {value:.3f}s" for phase, value in phases.items()))
         return SetAdapterResponse(adapter=adapter.info, load_seconds=round(seconds, 6), boot_id=self.boot_id)
 
-    async def _load_and_activate(self, engine: Engine, request: SetAdapterRequest, ours: bool) -> LoadedAdapter:
-        """Under the trigger lock: triggers run one at a time, so the highest version accepted is the active one."""
+    async def _load_and_activate(
+        self, engine: Engine, request: SetAdapterRequest, ours: bool, phases: dict[str, float]
+    ) -> LoadedAdapter:
+        """Under the trigger lock: triggers run one at a time, so the highest version accepted is the active one.
+        The seconds each phase took go into `phases` (the log line of the load)."""
         version = request.version if ours and request.version is not None else self.registry.next_version()
         path = request.path if ours else request.lora_path
         assert path is not None
         # again under the lock: a higher version may have been accepted while this trigger waited
         self.registry.refuse_out_of_order(version, request.sha256 if ours else None)
         served = self._served_model()
+        started = time.perf_counter()
         checked = await asyncio.to_thread(
             inspect_adapter,
             path,
@@ -260,6 +267,7 @@ class GenerationService:
             expected_digest=request.sha256 if ours else None,
             version=version if ours else None,
         )
+        phases["checks"] = time.perf_counter() - started
         existing = self.registry.get(version)
         if existing is not None:  # a retry: same number, and (inspection compared the digests) same contents
             if checked.digest is None or existing.digest != checked.digest:
@@ -272,7 +280,7 @@ class GenerationService:
             adapter = existing
         else:
             handle = AdapterHandle(adapter_name(version), self.registry.next_int_id(), str(checked.path))
-            await self._load_verified(engine, handle, checked)
+            await self._load_verified(engine, handle, checked, phases)
             info = ActiveAdapter(
                 name=handle.name,
                 version=version,
@@ -284,17 +292,21 @@ class GenerationService:
             self.registry.add(adapter)
         self.registry.activate(version)
         metrics.ACTIVE_ADAPTER_VERSION.set(version)
+        started = time.perf_counter()
         await self._evict()
+        phases["evict"] = time.perf_counter() - started
         return adapter
 
-    async def _load_verified(self, engine: Engine, handle: AdapterHandle, checked: CheckedAdapter) -> None:
+    async def _load_verified(
+        self, engine: Engine, handle: AdapterHandle, checked: CheckedAdapter, phases: dict[str, float]
+    ) -> None:
         """Engine load and checksum verification side by side; unloaded again unless both succeed.
 
         No request can use the version before it is registered and activated, which happens
         only after this returns, so a file that fails its checksum is never served.
         """
-        verify = asyncio.create_task(asyncio.to_thread(verify_adapter_files, checked))
-        load = asyncio.create_task(engine.add_adapter(handle))
+        verify = asyncio.create_task(_timed(asyncio.to_thread(verify_adapter_files, checked), phases, "checksum"))
+        load = asyncio.create_task(_timed(engine.add_adapter(handle), phases, "engine load"))
         await asyncio.wait((verify, load))
         verify_error, load_error = verify.exception(), load.exception()
         if verify_error is not None or load_error is not None:
@@ -348,3 +360,12 @@ class GenerationService:
 
     async def reset_prefix_cache(self) -> bool:
         return await self.require_engine().reset_prefix_cache()
+
+
+async def _timed(work: Awaitable[T], phases: dict[str, float], phase: str) -> T:
+    """Await work, recording how long it took (also when it fails)."""
+    started = time.perf_counter()
+    try:
+        return await work
+    finally:
+        phases[phase] = time.perf_counter() - started

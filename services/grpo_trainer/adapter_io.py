@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_api.adapters import write_file_durably
+from grpo_trainer.errors import TrainingFailed
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -142,10 +143,22 @@ def safetensors_parts(tensors: Mapping[str, Any], dtype: str) -> tuple[bytes, me
 
 
 def peft_adapter(model: Any, adapter_name: str = "default") -> tuple[dict[str, Any], dict[str, Any]]:
-    """The tensors and adapter_config.json content PEFT's save_pretrained would write for `model`."""
-    from peft import get_peft_model_state_dict
+    """The tensors and adapter_config.json content PEFT's save_pretrained would write for `model`.
 
-    tensors = get_peft_model_state_dict(model, adapter_name=adapter_name)
+    PEFT finds the adapter's tensors by the names of its layers, which wrappers (activation checkpointing,
+    FSDP1, torch.compile) lengthen while the state dict's keys stay short: PEFT then finds none. So the
+    tensors are looked up among the parameters, named as the modules nest, and the wrappers' segments
+    dropped from the names afterwards. Under FSDP the tensors are shards (DTensors): each is gathered whole,
+    which is a collective, so every process of the run must call this at the same point, in the same order.
+    """
+    from peft import get_peft_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    found = get_peft_model_state_dict(model, adapter_name=adapter_name, state_dict=dict(model.named_parameters()))
+    tensors = {_unwrapped_name(name): tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+               for name, tensor in found.items()}
+    if not tensors:
+        raise TrainingFailed(f"the model holds no tensors of LoRA adapter {adapter_name!r}: nothing to publish")
     config = copy.deepcopy(model.peft_config[adapter_name])
     config.inference_mode = True
     base = model.base_model.model
@@ -155,6 +168,16 @@ def peft_adapter(model: Any, adapter_name: str = "default") -> tuple[dict[str, A
     if config.task_type is None:  # as PEFT records it, so its loaders can find the model class
         content["auto_mapping"] = {"base_model_class": type(base).__name__, "parent_library": type(base).__module__}
     return tensors, content
+
+
+#: Name segments wrappers add to a module's parameters (activation checkpointing, FSDP1, torch.compile).
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+
+
+def _unwrapped_name(name: str) -> str:
+    for segment in WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
+    return name
 
 
 def snapshot_peft_adapter(model: Any, *, dtype: str) -> AdapterSnapshot:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from grpo_api.models import GRPORunSpec, LoraSpec, Mode
+from grpo_api.models import GRPORunSpec, LoraSpec, Mode, Strategy
 from grpo_trainer.errors import UnsupportedSetting
 
 
@@ -31,6 +31,11 @@ def check_supported(spec: GRPORunSpec, platform: Platform) -> None:
         raise UnsupportedSetting(
             f"spec.mode colocate runs vLLM inside the trainer and needs {' and '.join(missing)}, which this "
             "machine lacks; use mode server (the default) here"
+        )
+    if spec.trainer.strategy == Strategy.FSDP and not platform.cuda:
+        raise UnsupportedSetting(
+            "spec.trainer.strategy fsdp shards the policy over CUDA GPUs (Accelerate runs FSDP over NCCL only) "
+            "and this machine has none; use strategy ddp here (gloo on CPU)"
         )
     if spec.trainer.lora.quantize_base and not (platform.cuda and platform.bitsandbytes):
         raise UnsupportedSetting(
@@ -101,17 +106,34 @@ def grpo_config_kwargs(
         "use_cpu": not platform.cuda,
         "bf16": use_bf16,
         "fp16": use_fp16,
-        "gradient_checkpointing": t.gradient_checkpointing,
+        "gradient_checkpointing": t.gradient_checkpointing and t.strategy != Strategy.FSDP,
         "dataloader_num_workers": 0,
         # Several trainer processes (DDP): every LoRA parameter takes part in each forward pass.
         "ddp_find_unused_parameters": False,
     }
+    if t.strategy == Strategy.FSDP:
+        kwargs["fsdp"] = True
+        kwargs["fsdp_config"] = fsdp_config(gradient_checkpointing=t.gradient_checkpointing)
     if colocate:
         kwargs["vllm_enable_sleep_mode"] = True
     if t.structured_outputs is not None:
         # TRL puts generation_kwargs into every server request and into colocate's SamplingParams
         kwargs["generation_kwargs"] = {"structured_outputs": t.structured_outputs.vllm_params()}
     return kwargs
+
+
+def fsdp_config(*, gradient_checkpointing: bool) -> dict[str, Any]:
+    """transformers' fsdp_config for strategy fsdp: FSDP2 (Accelerate's plugin), every decoder layer a shard
+    unit (the model's _no_split_modules), parameters resharded after forward (ZeRO-3's layout), a
+    checkpoint as full state (resumable with any world size). Gradient checkpointing is FSDP's
+    activation checkpointing, which transformers recommends over its own under FSDP (one all-gather fewer)."""
+    return {
+        "version": 2,
+        "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "reshard_after_forward": True,
+        "state_dict_type": "FULL_STATE_DICT",
+        "activation_checkpointing": gradient_checkpointing,
+    }
 
 
 def lora_config_kwargs(lora: LoraSpec) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Several trainer processes: `grpo train` launches torchrun, as TRL users launch their trainers.
 
 `spec.trainer.numNodes × numProcPerNode` processes train one policy with DDP (NCCL on GPUs, gloo on
-CPU). On a cluster each of the numNodes pods of the attempt's indexed Job runs `grpo train`, which
+CPU) or FSDP2 (`strategy: fsdp`, CUDA only: Accelerate shards over NCCL; launched even for one
+process). On a cluster each of the numNodes pods of the attempt's indexed Job runs `grpo train`, which
 starts torchrun for its numProcPerNode processes: its node rank is the pod's completion index
 (`JOB_COMPLETION_INDEX`), the rendezvous is pod 0 of the Job through the run's headless Service
 (`$GRPO_MASTER_ADDR`, `$GRPO_MASTER_PORT`, set by the operator). Without `$GRPO_MASTER_ADDR` (`grpo
@@ -23,7 +24,7 @@ import tempfile
 from pathlib import Path
 from types import FrameType
 
-from grpo_api.models import TrainerSpec
+from grpo_api.models import Strategy, TrainerSpec
 from grpo_trainer.errors import InvalidSpec
 
 ENV_MASTER_ADDR = "GRPO_MASTER_ADDR"
@@ -48,7 +49,8 @@ def launched() -> bool:
 
 
 def needs_launch(trainer: TrainerSpec) -> bool:
-    return world_size(trainer) > 1 and not launched()
+    """Several processes, or FSDP (which Accelerate applies only to a launched process group, even of one)."""
+    return (world_size(trainer) > 1 or trainer.strategy == Strategy.FSDP) and not launched()
 
 
 def _free_port() -> int:

@@ -18,7 +18,7 @@ from typing import Any
 
 from grpo_api.exit_codes import EXIT_INVALID_SPEC, EXIT_SUCCEEDED, clip_final_message, write_termination_message
 from grpo_api.fingerprint import model_fingerprint
-from grpo_api.models import Mode
+from grpo_api.models import Mode, Strategy
 from grpo_api.protocol import ENV_ATTEMPT, HealthResponse, TrainingProgress
 from grpo_api.runconfig import RunConfig, RunConfigError, load_run_config
 from grpo_trainer.adapter_io import publish_dtype
@@ -198,6 +198,7 @@ def _train(
     model = _load_model(model_dir, spec.model.dtype, quantize=t.lora.quantize_base, platform=platform)
     session = TrainingSession(sync=sync, metrics=metrics, progress_file=Path(cfg.paths.progress_file),
                               max_steps=t.max_steps, sync_interval=t.sync_interval, attempt=attempt, main=main,
+                              sharded=t.strategy == Strategy.FSDP,
                               publish_dtype=publish_dtype(str(spec.server.dtype) if spec.server else "auto", model_dir),
                               log=log)
     trainer_kwargs: dict[str, Any] = {
@@ -237,6 +238,9 @@ def _train(
         trainer = ServerGRPOTrainer(**trainer_kwargs)
     session.bind(trainer)
     trainer.remove_callback(PrinterCallback)  # the session prints one line per step instead
+    if main and (world_size(t) > 1 or t.strategy != Strategy.DDP):
+        log(f"trainer: {world_size(t)} process(es), strategy {t.strategy} "
+            f"(accelerate {trainer.accelerator.distributed_type.value})")
 
     if main:
         metrics.serve(metrics_port(t.metrics_port))

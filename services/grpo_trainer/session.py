@@ -18,7 +18,8 @@
 - train end: wait for the last sync.
 
 With several trainer processes every rank has a session, but only rank 0 (`main`) publishes, writes
-progress and logs; a checkpoint is marked complete once every rank has written its part.
+progress and logs; a checkpoint is marked complete once every rank has written its part. With a sharded
+policy (FSDP) every rank takes part in each snapshot, since gathering the adapter's shards is a collective.
 """
 
 from __future__ import annotations
@@ -52,11 +53,13 @@ class TrainingSession:
         sync_interval: int,
         attempt: int,
         main: bool = True,
+        sharded: bool = False,
         publish_dtype: str = "float32",
         log: Callable[[str], None] = print,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.main = main
+        self.sharded = sharded
         self.sync = sync
         self.metrics = metrics
         self.progress_file = progress_file
@@ -82,7 +85,8 @@ class TrainingSession:
     # ------------------------------------------------------------------------------------------ adapters
 
     def snapshot(self) -> AdapterSnapshot:
-        """The served adapter's files as of now, in the serving dtype."""
+        """The served adapter's files as of now, in the serving dtype. With a sharded policy (FSDP) every rank
+        calls this at the same point: the adapter is gathered from the shards."""
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         return snapshot_peft_adapter(model, dtype=self.publish_dtype)
 
@@ -115,6 +119,8 @@ class TrainingSession:
 
     def on_train_begin(self, state: TrainerState) -> None:
         if not self.main:
+            if state.global_step > 0 and self.sharded:
+                self.snapshot()  # rank 0 publishes; every rank takes part in gathering the adapter
             return
         if state.global_step > 0:
             self.publish(state.global_step, f"resumed from checkpoint-{state.global_step}")
@@ -130,8 +136,11 @@ class TrainingSession:
         if self._step_started is not None:
             self.metrics.step_seconds.observe(self._clock() - self._step_started)
             self._step_started = None
-        if self.main and (step % self.sync_interval == 0 or step >= self.max_steps):
-            self.publish_in_background(step, "sync")
+        if step % self.sync_interval == 0 or step >= self.max_steps:
+            if self.main:
+                self.publish_in_background(step, "sync")
+            elif self.sharded:
+                self.snapshot()  # rank 0 publishes; every rank takes part in gathering the adapter
 
     def on_log(self, state: TrainerState, logs: dict[str, Any]) -> None:
         self.metrics.observe_trl_logs(logs)

@@ -266,6 +266,13 @@ def prepare_rank_too_large(server, maker, version, tmp):
     return ours(path, version, digest)
 
 
+def rewritten(server, maker, version, change):
+    staging = maker.save(server.adapter_root / f".tmp-{version}", seed=1)
+    rewrite_tensors(staging, change)
+    path, digest = publish_dir(staging, server.adapter_root, version, maker.fingerprint)
+    return ours(path, version, digest)
+
+
 def first_key(tensors, half):
     return sorted(k for k in tensors if f".lora_{half}." in k and "q_proj" in k)[0]
 
@@ -278,10 +285,7 @@ def prepare_shapes_of_another_model(server, maker, version, tmp):
         key = first_key(tensors, "A")
         tensors[key] = torch.cat([tensors[key], tensors[key][:, :1]], dim=1)
 
-    staging = maker.save(server.adapter_root / f".tmp-{version}", seed=1)
-    rewrite_tensors(staging, widen)
-    path, digest = publish_dir(staging, server.adapter_root, version, maker.fingerprint)
-    return ours(path, version, digest)
+    return rewritten(server, maker, version, widen)
 
 
 def prepare_tensor_rank_above_the_config(server, maker, version, tmp):
@@ -293,10 +297,32 @@ def prepare_tensor_rank_above_the_config(server, maker, version, tmp):
         tensors[a] = torch.cat([tensors[a], tensors[a]], dim=0)
         tensors[b] = torch.cat([tensors[b], tensors[b]], dim=1)
 
-    staging = maker.save(server.adapter_root / f".tmp-{version}", seed=1)
-    rewrite_tensors(staging, deepen)
-    path, digest = publish_dir(staging, server.adapter_root, version, maker.fingerprint)
-    return ours(path, version, digest)
+    return rewritten(server, maker, version, deepen)
+
+
+def prepare_no_tensors(server, maker, version, tmp):
+    """What PEFT's state dict gives under FSDP activation checkpointing (module names with a wrapper's
+    segment match no key): an engine would serve it as the base model under the adapter's name."""
+    return rewritten(server, maker, version, lambda tensors: tensors.clear())
+
+
+def prepare_lora_a_without_b(server, maker, version, tmp):
+    return rewritten(server, maker, version, lambda tensors: tensors.pop(first_key(tensors, "B")))
+
+
+def prepare_halves_of_other_ranks(server, maker, version, tmp):
+    def narrow(tensors):
+        key = first_key(tensors, "B")
+        tensors[key] = tensors[key][:, :-1].contiguous()
+
+    return rewritten(server, maker, version, narrow)
+
+
+def prepare_foreign_tensor(server, maker, version, tmp):
+    import torch
+
+    return rewritten(server, maker, version, lambda tensors: tensors.update(
+        {"base_model.model.model.layers.0.self_attn.q_proj.weight": torch.zeros(2, 2)}))
 
 
 def prepare_modules_to_save(server, maker, version, tmp):
@@ -381,17 +407,11 @@ def set_first_value(half, value):
 
 def prepare_nan_tensor(server, maker, version, tmp):
     """Well-formed, checksummed and loadable: only reading the values shows every generation would fail."""
-    staging = maker.save(server.adapter_root / f".tmp-{version}", seed=1)
-    rewrite_tensors(staging, set_first_value("B", math.nan))
-    path, digest = publish_dir(staging, server.adapter_root, version, maker.fingerprint)
-    return ours(path, version, digest)
+    return rewritten(server, maker, version, set_first_value("B", math.nan))
 
 
 def prepare_inf_tensor(server, maker, version, tmp):
-    staging = maker.save(server.adapter_root / f".tmp-{version}", seed=1)
-    rewrite_tensors(staging, set_first_value("A", -math.inf))
-    path, digest = publish_dir(staging, server.adapter_root, version, maker.fingerprint)
-    return ours(path, version, digest)
+    return rewritten(server, maker, version, set_first_value("A", -math.inf))
 
 
 def prepare_nan_axolotl(server, maker, version, tmp):
@@ -474,6 +494,10 @@ REFUSALS: list[tuple[str, Callable[..., dict[str, Any]], int, str]] = [
     ("rank above maxLoraRank", prepare_rank_too_large, 422, "adapter_rank_too_large"),
     ("tensor rank above the config's", prepare_tensor_rank_above_the_config, 422, "adapter_rank_too_large"),
     ("tensors shaped for another model", prepare_shapes_of_another_model, 409, "adapter_base_model_mismatch"),
+    ("no LoRA tensors", prepare_no_tensors, 422, "adapter_weights_invalid"),
+    ("lora_A without its lora_B", prepare_lora_a_without_b, 422, "adapter_weights_invalid"),
+    ("lora_A and lora_B of other ranks", prepare_halves_of_other_ranks, 422, "adapter_weights_invalid"),
+    ("a tensor that is not a LoRA weight", prepare_foreign_tensor, 422, "adapter_unsupported"),
     ("modules_to_save", prepare_modules_to_save, 422, "adapter_unsupported"),
     ("DoRA", prepare_dora, 422, "adapter_unsupported"),
     ("bias", prepare_bias, 422, "adapter_unsupported"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,26 @@ def test_a_gpu_snapshot_does_not_wait_for_queued_work_and_writes_the_bytes_of_it
     assert snapshot.copied is not None and not snapshot.copied.query(), "the snapshot waited for the GPU"
     _shift_lora(model, 1.0)  # the next step's update, queued behind the copy
     _assert_writes(snapshot, tmp_path / "v1", before)
+
+
+def test_adapter_under_activation_checkpointing_and_fsdp2_shards_of_two_ranks_is_whole(tiny_model_dir, tmp_path):
+    """Wrappers lengthen module names (PEFT then finds no tensor: an empty adapter was published under
+    strategy fsdp) and FSDP2 leaves each rank a shard: the adapter is still every tensor, whole."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from grpo_trainer.adapter_io import peft_adapter
+    from tests.trainer.fsdp_adapter_ranks import peft_model
+
+    done = subprocess.run([sys.executable, "-m", "tests.trainer.fsdp_adapter_ranks", str(tiny_model_dir),
+                           str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    sharded = torch.load(tmp_path / "sharded.pt", weights_only=True)
+    expected, _ = peft_adapter(peft_model(str(tiny_model_dir)))
+    assert sharded.keys() == expected.keys() and len(expected) == 7 * 2 * 2  # 7 linear layers × 2 halves × 2 layers
+    for name, tensor in expected.items():
+        assert type(sharded[name]) is torch.Tensor
+        torch.testing.assert_close(sharded[name], tensor, rtol=0, atol=0)

@@ -12,6 +12,7 @@ from grpo_trainer.errors import UnsupportedSetting
 from grpo_trainer.metrics import METRIC_NAMES, TrainerMetrics, metrics_port
 
 CPU = Platform(cuda=False, bf16=False, vllm=False, bitsandbytes=False)
+GPU = Platform(cuda=True, bf16=True, vllm=False, bitsandbytes=False)
 
 
 def spec(**trainer) -> GRPORunSpec:
@@ -68,6 +69,25 @@ def test_structured_outputs_reach_trl_as_generation_kwargs():
     config = GRPOConfig(**grpo_config_kwargs(s, output_dir="/tmp/ck", server_url="http://s:8000",
                                              reward_weights=[1.0], platform=CPU))
     assert config.generation_kwargs == {"structured_outputs": {"choice": ["yes", "no"]}}
+
+
+def test_fsdp_is_fsdp2_through_accelerate_with_activation_checkpointing_for_gradient_checkpointing():
+    ddp = grpo_config_kwargs(spec(gradientCheckpointing=True), output_dir="/tmp/ck", server_url="http://s:8000",
+                             reward_weights=[1.0], platform=GPU)
+    assert "fsdp" not in ddp and ddp["gradient_checkpointing"] is True
+    kwargs = grpo_config_kwargs(spec(strategy="fsdp", gradientCheckpointing=True), output_dir="/tmp/ck",
+                                server_url="http://s:8000", reward_weights=[1.0], platform=GPU)
+    assert kwargs["fsdp"] is True and kwargs["gradient_checkpointing"] is False
+    assert kwargs["fsdp_config"] == {"version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                                     "reshard_after_forward": True, "state_dict_type": "FULL_STATE_DICT",
+                                     "activation_checkpointing": True}
+    # transformers turns it into Accelerate's FSDP plugin arguments (the plugin is built with the trainer)
+    config = GRPOConfig(**{**kwargs, "use_cpu": True, "bf16": False})
+    assert config.fsdp_plugin_args is not None
+    assert config.fsdp_plugin_args["fsdp_version"] == 2 and config.fsdp_plugin_args["activation_checkpointing"]
+    with pytest.raises(UnsupportedSetting, match=r"spec.trainer.strategy fsdp .* use strategy ddp"):
+        check_supported(spec(strategy="fsdp"), CPU)
+    check_supported(spec(strategy="fsdp"), GPU)
 
 
 def test_colocate_without_gpu_and_qlora_without_bitsandbytes_are_refused_clearly():

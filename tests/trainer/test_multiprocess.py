@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from grpo_api.models import TrainerSpec
-from grpo_api.runconfig import ServerEndpoints
+from grpo_api.runconfig import RunConfig, ServerEndpoints
 from grpo_trainer.errors import InvalidSpec
 from grpo_trainer.launch import torchrun_argv, world_size
 from tests.fixtures.server import RunningServer, free_port, start_server
@@ -40,6 +40,18 @@ def test_torchrun_runs_every_process_here_without_a_rendezvous_address_and_one_p
     for bad in ({"GRPO_MASTER_PORT": "29500; rm -rf /"}, {"GRPO_MASTER_PORT": "70000"}, {"JOB_COMPLETION_INDEX": "3"}):
         with pytest.raises(InvalidSpec, match=next(iter(bad))):
             torchrun_argv(trainer, None, {"GRPO_MASTER_ADDR": "r-trainer-1-0.r-trainer", **bad})
+
+
+def next_attempt(cfg: RunConfig, path: Path, *, max_steps: int, attempt: int) -> str:
+    """Run `grpo train` again as attempt `attempt`, now to max_steps; its output (it must succeed)."""
+    more = cfg.model_copy(update={"spec": cfg.spec.model_copy(update={
+        "trainer": cfg.spec.trainer.model_copy(update={"max_steps": max_steps})})})
+    path.write_text(more.to_yaml())
+    done = subprocess.run(grpo_train(path), env=cli_env(GRPO_ATTEMPT=str(attempt)), capture_output=True, text=True,
+                          timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    return out
 
 
 @pytest.mark.slow
@@ -78,13 +90,7 @@ def test_two_processes_train_with_rank_0_alone_publishing_checkpoint_and_resume(
         assert (progress["step"], progress["done"]) == (4, True)
 
         # The next attempt (the same servers, now serving v4) resumes from checkpoint-4 and goes on to 6.
-        more = cfg.model_copy(update={"spec": cfg.spec.model_copy(update={
-            "trainer": cfg.spec.trainer.model_copy(update={"max_steps": 6})})})
-        path.write_text(more.to_yaml())
-        second = subprocess.run(grpo_train(path), env=cli_env(GRPO_ATTEMPT="2"), capture_output=True, text=True,
-                                timeout=600)
-        out2 = second.stdout + second.stderr
-        assert second.returncode == 0, out2[-4000:]
+        out2 = next_attempt(cfg, path, max_steps=6, attempt=2)
         assert "resuming from" in out2 and "checkpoint-4" in out2
         assert [int(s) for s, _, _ in STEP_LINE.findall(out2)] == [5, 6]
         assert json.loads((tmp_path / "run" / "progress.json").read_text())["step"] == 6

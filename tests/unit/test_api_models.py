@@ -158,6 +158,8 @@ INVALID_SPECS: list[Invalid] = [
             "spec.mode", 'Unsupported value: "hybrid"', "spec.mode", "'server' or 'colocate'"),
     Invalid("lossType-unknown", {"trainer": {"lossType": "ppo"}},
             "spec.trainer.lossType", 'Unsupported value: "ppo"', "spec.trainer.lossType", "'dapo'"),
+    Invalid("strategy-deepspeed", {"trainer": {"strategy": "deepspeed"}},
+            "spec.trainer.strategy", 'Unsupported value: "deepspeed"', "spec.trainer.strategy", "'ddp' or 'fsdp'"),
     Invalid("cleanupPolicy-unknown", {"runPolicy": {"cleanupPolicy": "Nuke"}},
             "spec.runPolicy.cleanupPolicy", 'Unsupported value: "Nuke"',
             "spec.runPolicy.cleanupPolicy", "'StopServer'"),
