@@ -1282,8 +1282,8 @@ class TrainerSpec(PodSettings):
     )
     num_proc_per_node: int = Field(
         default=1, ge=1, le=MAX_TRAINER_PROCS_PER_NODE,
-        description="Trainer processes per pod, launched with torchrun (DDP: one per GPU on a GPU node; gloo on "
-        "CPU). Rank 0 alone talks to the server: it gathers every process's prompts, generates them, gives "
+        description="Trainer processes per pod, launched with torchrun (one per GPU on a GPU node; gloo on CPU; "
+        "see strategy). Rank 0 alone talks to the server: it gathers every process's prompts, generates them, gives "
         "each its share, and publishes the adapter.",
     )
     strategy: Strategy = Field(
