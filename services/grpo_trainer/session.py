@@ -35,7 +35,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from grpo_api.adapters import read_manifest
 from grpo_api.protocol import TrainingProgress
-from grpo_trainer.adapter_io import ADAPTER_WEIGHTS, AdapterSnapshot, snapshot_peft_adapter
+from grpo_trainer.adapter_io import ADAPTER_WEIGHTS, AdapterSnapshot, peft_adapter, snapshot_peft_adapter
 from grpo_trainer.checkpoints import mark_complete
 from grpo_trainer.metrics import TrainerMetrics
 from grpo_trainer.progress import append_history, now, write_progress
@@ -85,10 +85,17 @@ class TrainingSession:
     # ------------------------------------------------------------------------------------------ adapters
 
     def snapshot(self) -> AdapterSnapshot:
-        """The served adapter's files as of now, in the serving dtype. With a sharded policy (FSDP) every rank
-        calls this at the same point: the adapter is gathered from the shards."""
-        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        return snapshot_peft_adapter(model, dtype=self.publish_dtype)
+        """The served adapter's files as of now, in the serving dtype."""
+        return snapshot_peft_adapter(self._model(), dtype=self.publish_dtype)
+
+    def join_gather(self) -> None:
+        """On a rank other than 0 of a sharded policy (FSDP): take part in gathering the adapter's shards (a
+        collective) while rank 0 snapshots and publishes it; nothing is kept here."""
+        if self.sharded:
+            peft_adapter(self._model())
+
+    def _model(self) -> Any:
+        return self.trainer.accelerator.unwrap_model(self.trainer.model)
 
     def publish(self, step: int, reason: str) -> SyncResult:
         """Publish the current adapter and make it active before returning."""
@@ -119,8 +126,8 @@ class TrainingSession:
 
     def on_train_begin(self, state: TrainerState) -> None:
         if not self.main:
-            if state.global_step > 0 and self.sharded:
-                self.snapshot()  # rank 0 publishes; every rank takes part in gathering the adapter
+            if state.global_step > 0:
+                self.join_gather()
             return
         if state.global_step > 0:
             self.publish(state.global_step, f"resumed from checkpoint-{state.global_step}")
@@ -139,8 +146,8 @@ class TrainingSession:
         if step % self.sync_interval == 0 or step >= self.max_steps:
             if self.main:
                 self.publish_in_background(step, "sync")
-            elif self.sharded:
-                self.snapshot()  # rank 0 publishes; every rank takes part in gathering the adapter
+            else:
+                self.join_gather()
 
     def on_log(self, state: TrainerState, logs: dict[str, Any]) -> None:
         self.metrics.observe_trl_logs(logs)

@@ -108,3 +108,36 @@ def test_the_hugging_face_trainer_loop_observes_one_duration_per_optimizer_step(
     samples = histogram(s.metrics)
     assert samples["count"] == 3
     assert samples["sum"] > 0
+
+
+@pytest.mark.parametrize(("main", "sharded", "gathers"), [(False, True, 3), (False, False, 0)])
+def test_other_ranks_join_the_gather_of_a_sharded_adapter_at_each_sync_and_publish_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, main: bool, sharded: bool, gathers: int,
+) -> None:
+    """FSDP: gathering the adapter's shards is a collective, so a rank other than 0 joins it when rank 0
+    snapshots (resume and every sync), and publishes nothing; with DDP it does nothing there."""
+    import grpo_trainer.session as session_module
+
+    calls: list[object] = []
+    monkeypatch.setattr(session_module, "peft_adapter", lambda model: calls.append(model))
+    s = TrainingSession(sync=FakeSync(), metrics=TrainerMetrics(),  # type: ignore[arg-type]
+                        progress_file=tmp_path / "progress.json", max_steps=3, sync_interval=2, attempt=1,
+                        main=main, sharded=sharded, log=lambda _: None, clock=FakeClock())
+
+    class Accelerator:
+        def unwrap_model(self, model: object) -> object:
+            return model
+
+    class Trainer:
+        accelerator = Accelerator()
+        model = "the model"
+
+    s.bind(Trainer())
+    state = TrainerState()
+    state.global_step = 1  # resumed
+    s.on_train_begin(state)
+    for step in (2, 3):  # step 2: syncInterval; step 3: the last step
+        state.global_step = step
+        s.on_step_end(state)
+    assert calls == ["the model"] * gathers  # resume, step 2, step 3
+    assert not (tmp_path / "progress.json").exists()
