@@ -10,7 +10,9 @@ run`, one pod) all numNodes × numProcPerNode processes run on this machine.
 
 Rank 0 alone talks to the server and publishes the adapter (see trl_overrides.ServerGeneration and
 session.py). How the attempt ended is rank 0's exit code, passed back through a file, since torchrun
-itself only says that a worker failed.
+itself only says that a worker failed. Every rank leaves its code: a problem every rank finds (a
+configuration error) may end another rank first, and torchrun then stops rank 0 before it writes;
+the launcher takes rank 0's code, else the lowest rank's, else torchrun's.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from grpo_trainer.errors import InvalidSpec
 
 ENV_MASTER_ADDR = "GRPO_MASTER_ADDR"
 ENV_MASTER_PORT = "GRPO_MASTER_PORT"
-#: Where rank 0 writes its exit code for the launcher.
-ENV_EXIT_FILE = "GRPO_TRAINER_EXIT_FILE"
+#: The folder where each rank leaves its exit code (file `rank-<RANK>`) for the launcher.
+ENV_EXIT_DIR = "GRPO_TRAINER_EXIT_DIR"
 ENV_NODE_RANK = "JOB_COMPLETION_INDEX"
 
 
@@ -88,10 +90,9 @@ def torchrun_argv(trainer: TrainerSpec, config_path: str | None, env: dict[str, 
 
 
 def launch(trainer: TrainerSpec, config_path: str | None) -> int:
-    """Run the processes of this pod under torchrun; rank 0's exit code (torchrun's when rank 0 left none)."""
+    """Run the processes of this pod under torchrun; how they ended (see `attempt_exit_code`)."""
     with tempfile.TemporaryDirectory(prefix="grpo-train-") as tmp:
-        exit_file = Path(tmp) / "exit-code"
-        env = {**os.environ, ENV_EXIT_FILE: str(exit_file)}
+        env = {**os.environ, ENV_EXIT_DIR: tmp}
         argv = torchrun_argv(trainer, config_path, env)
         print(f"grpo train: {world_size(trainer)} processes ({trainer.num_nodes} node(s) × "
               f"{trainer.num_proc_per_node}): {' '.join(argv[1:])}", flush=True)
@@ -106,14 +107,29 @@ def launch(trainer: TrainerSpec, config_path: str | None) -> int:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-        try:
-            return int(exit_file.read_text().strip())
-        except (OSError, ValueError):
-            return code
+        return attempt_exit_code(left_codes(Path(tmp)), code)
+
+
+def left_codes(folder: Path) -> dict[int, int]:
+    """The exit codes the ranks of this pod left, by global rank (unreadable files are skipped)."""
+    codes: dict[int, int] = {}
+    for path in folder.glob("rank-*"):
+        number, text = path.name.removeprefix("rank-"), path.read_text().strip()
+        if number.isdigit() and text.isdigit():
+            codes[int(number)] = int(text)
+    return codes
+
+
+def attempt_exit_code(codes: dict[int, int], torchrun_code: int) -> int:
+    """Rank 0's code; else the lowest rank's failure (rank 0 was stopped first); else torchrun's."""
+    if 0 in codes:
+        return codes[0]
+    failures = [codes[r] for r in sorted(codes) if codes[r] != 0]
+    return failures[0] if failures else torchrun_code
 
 
 def report_exit(code: int) -> None:
-    """Rank 0 of a launched run leaves its exit code for the launcher."""
-    path = os.environ.get(ENV_EXIT_FILE)
-    if path and launched() and rank() == 0:
-        Path(path).write_text(str(code))
+    """Each rank of a launched run leaves its exit code for the launcher."""
+    folder = os.environ.get(ENV_EXIT_DIR)
+    if folder and launched():
+        (Path(folder) / f"rank-{rank()}").write_text(str(code))

@@ -12,7 +12,7 @@ import pytest
 from grpo_api.models import TrainerSpec
 from grpo_api.runconfig import RunConfig, ServerEndpoints
 from grpo_trainer.errors import InvalidSpec
-from grpo_trainer.launch import torchrun_argv, world_size
+from grpo_trainer.launch import attempt_exit_code, left_codes, torchrun_argv, world_size
 from tests.fixtures.server import RunningServer, free_port, start_server
 from tests.trainer.test_trainer_with_server import (
     PUBLISH_LINE,
@@ -40,6 +40,20 @@ def test_torchrun_runs_every_process_here_without_a_rendezvous_address_and_one_p
     for bad in ({"GRPO_MASTER_PORT": "29500; rm -rf /"}, {"GRPO_MASTER_PORT": "70000"}, {"JOB_COMPLETION_INDEX": "3"}):
         with pytest.raises(InvalidSpec, match=next(iter(bad))):
             torchrun_argv(trainer, None, {"GRPO_MASTER_ADDR": "r-trainer-1-0.r-trainer", **bad})
+
+
+def test_the_attempt_ends_with_rank_0_s_code_else_the_lowest_failing_rank_s_else_torchrun_s(tmp_path: Path):
+    """A problem every rank finds may end rank 1 first; torchrun then stops rank 0 before it leaves a code."""
+    (tmp_path / "rank-1").write_text("2")
+    (tmp_path / "rank-3").write_text("4\n")
+    (tmp_path / "rank-2").write_text("")  # stopped while writing
+    (tmp_path / "rank-x").write_text("9")
+    assert left_codes(tmp_path) == {1: 2, 3: 4}
+    assert attempt_exit_code(left_codes(tmp_path), 1) == 2
+    assert attempt_exit_code({0: 0, 1: 2}, 1) == 0
+    assert attempt_exit_code({0: 3, 1: 2}, 1) == 3
+    assert attempt_exit_code({2: 0, 3: 0}, 0) == 0
+    assert attempt_exit_code({}, 1) == 1
 
 
 def next_attempt(cfg: RunConfig, path: Path, *, max_steps: int, attempt: int) -> str:
