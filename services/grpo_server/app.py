@@ -29,7 +29,7 @@ from grpo_api.protocol import ADAPTER_VERSION_HEADER, BOOT_ID_HEADER, ErrorRespo
 from grpo_server.errors import install_error_handlers
 from grpo_server.middleware import BodyLimitMiddleware, RequestMetricsMiddleware, UnexpectedErrorMiddleware
 from grpo_server.registry import BASE_SUFFIX
-from grpo_server.routes import adapters, health, native, openai
+from grpo_server.routes import adapters, health, native, openai, rlhf
 from grpo_server.service import GenerationService
 from grpo_server.settings import GRACEFUL_SHUTDOWN_SECONDS
 
@@ -85,6 +85,6 @@ def create_app(service: GenerationService) -> FastAPI:
     app.add_middleware(UnexpectedErrorMiddleware)  # innermost of these three (added first)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetricsMiddleware)
-    for family in (health, adapters, native, openai):
+    for family in (health, adapters, rlhf, native, openai):
         app.include_router(family.router(service))
     return app

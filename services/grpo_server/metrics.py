@@ -52,6 +52,7 @@ ACTIVE_ADAPTER_VERSION = Gauge(
 )
 LOADED_ADAPTERS = Gauge("grpo_server_loaded_adapters", "Adapter versions resident in the engine.")
 BOOT_TIME = Gauge("grpo_server_boot_time_seconds", "Unix time the server process started.")
+PAUSED = Gauge("grpo_server_paused", "1 while generation is paused (POST /pause until /resume), else 0.")
 ENGINE_READY = Gauge("grpo_server_engine_ready", "1 when the engine can serve generations, else 0.")
 INFO = Gauge("grpo_server_info", "Constant 1, labelled with the server's identity.", ["boot_id", "engine", "model"])
 
@@ -70,5 +71,6 @@ METRIC_NAMES: tuple[str, ...] = (
     "grpo_server_loaded_adapters",
     "grpo_server_boot_time_seconds",
     "grpo_server_engine_ready",
+    "grpo_server_paused",
     "grpo_server_info",
 )

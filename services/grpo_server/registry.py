@@ -15,6 +15,8 @@ prefix cache, so one name must never stand for two sets of weights).
 Model names a request may use:
 - omitted or the served model name: the active adapter at admission (base if none);
 - `policy-v<N>`: version N, which must be loaded;
+- the name a client loaded version N under through vLLM's `/v1/load_lora_adapter` (TRL's
+  `trl-policy-v<N>`), while it is loaded;
 - `<served>:base`: the base model.
 """
 
@@ -31,6 +33,8 @@ from grpo_server.engines.base import AdapterHandle
 from grpo_server.errors import ServerError
 
 ADAPTER_NAME = re.compile(r"^policy-v(\d+)$")
+#: A client's adapter name that carries its version (`<anything>-v<N>`, TRL's naming).
+VERSIONED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,200}-v(\d{1,18})$")
 BASE_SUFFIX = ":base"
 
 
@@ -51,6 +55,8 @@ class LoadedAdapter:
     info: ActiveAdapter
     digest: str | None
     leases: int = 0
+    #: The name the client loaded it under (vLLM's `lora_name`), when not ours.
+    alias: str | None = None
 
     @property
     def version(self) -> int:
@@ -90,6 +96,13 @@ class AdapterRegistry:
     def get(self, version: int) -> LoadedAdapter | None:
         return self._loaded.get(version)
 
+    def named(self, name: str) -> LoadedAdapter | None:
+        """The loaded version a client's name (its alias, or `policy-v<N>`) stands for."""
+        for adapter in self._loaded.values():
+            if name in (adapter.alias, adapter.handle.name):
+                return adapter
+        return None
+
     def next_int_id(self) -> int:
         self._last_int_id += 1
         return self._last_int_id
@@ -123,6 +136,10 @@ class AdapterRegistry:
 
     def add(self, adapter: LoadedAdapter) -> None:
         """Register a loaded version, bound to its digest from now on (checked by `refuse_out_of_order` first)."""
+        if adapter.alias is not None:  # a name stands for one version: the newest loaded under it
+            for other in self._loaded.values():
+                if other.alias == adapter.alias:
+                    other.alias = None
         self._loaded[adapter.version] = adapter
         self._bound[adapter.version] = adapter.digest
         self._highest_version = max(self._highest_version, adapter.version)
@@ -140,12 +157,11 @@ class AdapterRegistry:
             return self.active
         if model == self.served_name + BASE_SUFFIX:
             return None
-        match = ADAPTER_NAME.match(model)
-        if match:
-            adapter = self._loaded.get(int(match.group(1)))
-            if adapter is None:
-                raise ModelNotFound(f"model {model}: that adapter version is not loaded (see GET /v1/models)")
+        adapter = self.named(model)
+        if adapter is not None:
             return adapter
+        if ADAPTER_NAME.match(model) or VERSIONED_NAME.match(model):
+            raise ModelNotFound(f"model {model}: that adapter version is not loaded (see GET /v1/models)")
         raise ModelNotFound(
             f"model {model!r} is not served here: use {self.served_name!r}, "
             f"'{self.served_name}{BASE_SUFFIX}' or a loaded 'policy-v<N>'"
@@ -178,4 +194,5 @@ class AdapterRegistry:
         return self._loaded.pop(version, None)
 
     def model_names(self) -> list[str]:
-        return [a.handle.name for a in self._loaded.values()]
+        """The name each loaded version is served under (the client's, when it loaded it under its own)."""
+        return [a.alias or a.handle.name for a in self._loaded.values()]

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from grpo_api.protocol import ActiveAdapter
+from grpo_api.protocol import ActiveAdapter, AdapterPath
 from grpo_server.engines.base import SamplingOptions, StructuredOutput
 from grpo_server.errors import BadRequest
 from grpo_server.fields import GENERATION_KWARGS, Endpoint, check_generation_kwargs, check_sent, describe
@@ -507,3 +507,46 @@ class ServerInfo(BaseModel):
     vllm_config: dict[str, Any] | str
     engine: str
     boot_id: str
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """Body of vLLM's `POST /v1/load_lora_adapter` (TRL's `AsyncGRPOTrainer` sends it)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str = Field(min_length=1, max_length=256,
+                           description="Name requests select it by; `<name>-v<N>` loads it as version N.")
+    lora_path: AdapterPath = Field(description="Adapter directory, inside the adapter root.")
+    load_inplace: bool = Field(
+        default=False,
+        description="Ignored: every load is a new version with its own engine name; a name loaded again moves to it.",
+    )
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """Body of vLLM's `POST /v1/unload_lora_adapter`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str = Field(min_length=1, max_length=256, description="The name it was loaded under.")
+    lora_int_id: int | None = Field(default=None, description="Ignored (vLLM's optional id).")
+
+
+class UnloadLoraAdapterResponse(BaseModel):
+    status: str = "ok"
+    lora_name: str
+    version: int
+
+
+PauseMode = Literal["abort", "wait", "keep"]
+
+
+class PauseResponse(BaseModel):
+    status: Literal["paused", "resumed"]
+    mode: PauseMode | None = None
+    #: Requests the pause cancelled (mode abort) or waited for (mode wait).
+    requests: int = 0
+
+
+class IsPausedResponse(BaseModel):
+    is_paused: bool

@@ -1,4 +1,9 @@
-"""Bearer-token checks for mutating endpoints (and generation, when the run asks for it).
+"""Token checks for mutating endpoints (and generation, when the run asks for it).
+
+The run's token travels as `Authorization: Bearer <token>` (our trainer, Axolotl, curl) or as the
+password of HTTP Basic auth (any login): clients built on `requests` that send no header of their own,
+TRL's `AsyncGRPOTrainer` among them, send Basic auth from a netrc entry (`$NETRC`, `machine <host> login
+grpo password <token>`), so they pass the check unchanged.
 
 With no token configured the mutating endpoints stay closed: a server that cannot
 authenticate its trainer refuses adapter loads rather than accept anyone's.
@@ -6,29 +11,56 @@ authenticate its trainer refuses adapter loads rather than accept anyone's.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import secrets
 from collections.abc import Awaitable, Callable
 
-from fastapi import Depends
+from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from grpo_server.errors import ApiError
 
 bearer = HTTPBearer(auto_error=False, description="The run's token (Secret, $GRPO_TOKEN or tokenFile).")
 
-Check = Callable[[HTTPAuthorizationCredentials | None], Awaitable[None]]
+Check = Callable[[Request, HTTPAuthorizationCredentials | None], Awaitable[None]]
+
+#: Longest Authorization header read (a Basic header for a 256-character token and login is far shorter).
+MAX_AUTHORIZATION = 2048
 
 
-def token_valid(expected: str | None, credentials: HTTPAuthorizationCredentials | None) -> bool:
-    if expected is None or credentials is None or credentials.scheme.lower() != "bearer":
+def _same(given: str, expected: str) -> bool:
+    return secrets.compare_digest(given.encode(), expected.encode())
+
+
+def basic_password(authorization: str) -> str | None:
+    """The password of an `Authorization: Basic base64(login:password)` header (None: not Basic, or malformed)."""
+    scheme, _, encoded = authorization.partition(" ")
+    if scheme.lower() != "basic" or len(authorization) > MAX_AUTHORIZATION:
+        return None
+    try:
+        decoded = base64.b64decode(encoded.strip(), validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    _login, colon, password = decoded.partition(":")
+    return password if colon else None
+
+
+def token_valid(expected: str | None, credentials: HTTPAuthorizationCredentials | None,
+                authorization: str | None = None) -> bool:
+    """Whether a request carries the token: as a Bearer credential, or as the password of Basic auth."""
+    if expected is None:
         return False
-    return secrets.compare_digest(credentials.credentials.encode(), expected.encode())
+    if credentials is not None and credentials.scheme.lower() == "bearer":
+        return _same(credentials.credentials, expected)
+    password = basic_password(authorization) if authorization else None
+    return password is not None and _same(password, expected)
 
 
 def require_token(expected: str | None, *, enabled: bool = True) -> Check:
     """A FastAPI dependency answering 401 unless the request carries the token (no-op when not enabled)."""
 
-    async def check(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+    async def check(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
         if not enabled:
             return
         if expected is None:
@@ -39,9 +71,10 @@ def require_token(expected: str | None, *, enabled: bool = True) -> Check:
                 "authenticated endpoints are closed",
                 {"WWW-Authenticate": "Bearer"},
             )
-        if not token_valid(expected, credentials):
+        if not token_valid(expected, credentials, request.headers.get("authorization")):
             raise ApiError(
-                401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer <token>)",
+                401, "unauthorized",
+                "missing or wrong token (Authorization: Bearer <token>, or Basic auth with the token as password)",
                 {"WWW-Authenticate": "Bearer"},
             )
 

@@ -38,8 +38,9 @@ from grpo_server.engines import choose_engine, create_engine
 from grpo_server.engines.base import AdapterHandle, AdapterLoadError, Engine, PromptResult, SamplingOptions
 from grpo_server.errors import ApiError, BadRequest
 from grpo_server.prompts import PromptEncoder
-from grpo_server.registry import AdapterRegistry, LoadedAdapter, adapter_name
+from grpo_server.registry import VERSIONED_NAME, AdapterRegistry, LoadedAdapter, ModelNotFound, adapter_name
 from grpo_server.sampling import Limits, check_options, check_prompts
+from grpo_server.schemas import PauseMode
 from grpo_server.settings import TRIGGER_WAIT_SECONDS, ServerSettings
 
 if TYPE_CHECKING:
@@ -77,8 +78,14 @@ class GenerationService:
         self._trigger_lock = asyncio.Lock()
         self._served: ServedModel | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        #: Set while generation may run; cleared by /pause (new generations wait for /resume).
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._inflight: set[asyncio.Future[list[PromptResult]]] = set()
+        self._aborted: set[asyncio.Future[list[PromptResult]]] = set()
         metrics.BOOT_TIME.set(self.started_at)
         metrics.ENGINE_READY.set(0)
+        metrics.PAUSED.set(0)
         metrics.ACTIVE_ADAPTER_VERSION.set(0)
         metrics.LOADED_ADAPTERS.set(0)
         metrics.INFO.labels(self.boot_id, self.engine_kind, settings.served_model_name).set(1)
@@ -196,8 +203,23 @@ class GenerationService:
         limits = self.require_limits()
         check_prompts(prompts, limits)
         check_options(options, prompts, limits)
+        if self.paused:
+            await self._resumed.wait()
         with self.registry.lease(model) as lease, metrics.REQUESTS_IN_FLIGHT.track_inprogress():
-            results = await engine.generate(prompts, options, lease.handle)
+            task = asyncio.ensure_future(engine.generate(prompts, options, lease.handle))
+            self._inflight.add(task)
+            try:
+                results = await task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if task in self._aborted and (current is None or not current.cancelling()):
+                    raise ApiError(
+                        503, "generation_aborted", "the generation was aborted by POST /pause?mode=abort; retry it"
+                    ) from None
+                raise
+            finally:
+                self._inflight.discard(task)
+                self._aborted.discard(task)
         self._schedule_eviction()
         metrics.PROMPT_TOKENS.inc(sum(len(p) for p in prompts))
         metrics.GENERATION_TOKENS.inc(sum(len(c.token_ids) for r in results for c in r.completions))
@@ -208,7 +230,12 @@ class GenerationService:
 
     # ------------------------------------------------------------------ adapters
 
-    async def set_adapter(self, request: SetAdapterRequest) -> SetAdapterResponse:
+    async def set_adapter(self, request: SetAdapterRequest, *, alias: str | None = None) -> SetAdapterResponse:
+        """Validate, load and activate an adapter version.
+
+        `alias`: the name a vLLM-style client loads it under (`/v1/load_lora_adapter`); requests may
+        select it by that name, and `<name>-v<N>` makes it version N.
+        """
         engine = self.require_engine()
         ours = request.path is not None
         if ours == (request.lora_path is not None):
@@ -217,9 +244,12 @@ class GenerationService:
             )
         if ours and request.version is None:
             raise BadRequest("version is required with path")
+        named_version = _version_in(alias)
         try:
             if ours and request.version is not None:  # a stale trigger need not queue behind a load
                 self.registry.refuse_out_of_order(request.version, request.sha256)
+            elif named_version is not None:
+                self.registry.refuse_out_of_order(named_version, None)
             try:
                 await asyncio.wait_for(self._trigger_lock.acquire(), TRIGGER_WAIT_SECONDS)
             except TimeoutError as exc:
@@ -232,7 +262,7 @@ class GenerationService:
         started = time.perf_counter()
         phases: dict[str, float] = {}
         try:
-            adapter = await self._load_and_activate(engine, request, ours, phases)
+            adapter = await self._load_and_activate(engine, request, ours, phases, alias)
         except AdapterRefusal as refusal:
             self._refused(refusal)
             raise
@@ -246,11 +276,14 @@ class GenerationService:
         return SetAdapterResponse(adapter=adapter.info, load_seconds=round(seconds, 6), boot_id=self.boot_id)
 
     async def _load_and_activate(
-        self, engine: Engine, request: SetAdapterRequest, ours: bool, phases: dict[str, float]
+        self, engine: Engine, request: SetAdapterRequest, ours: bool, phases: dict[str, float], alias: str | None
     ) -> LoadedAdapter:
         """Under the trigger lock: triggers run one at a time, so the highest version accepted is the active one.
         The seconds each phase took go into `phases` (the log line of the load)."""
-        version = request.version if ours and request.version is not None else self.registry.next_version()
+        if ours and request.version is not None:
+            version = request.version
+        else:
+            version = _version_in(alias) or self.registry.next_version()
         path = request.path if ours else request.lora_path
         assert path is not None
         # again under the lock: a higher version may have been accepted while this trigger waited
@@ -288,7 +321,7 @@ class GenerationService:
                 path=str(checked.path),
                 loaded_at=dt.datetime.now(dt.UTC),
             )
-            adapter = LoadedAdapter(handle=handle, info=info, digest=checked.digest)
+            adapter = LoadedAdapter(handle=handle, info=info, digest=checked.digest, alias=alias)
             self.registry.add(adapter)
         self.registry.activate(version)
         metrics.ACTIVE_ADAPTER_VERSION.set(version)
@@ -334,15 +367,81 @@ class GenerationService:
             metrics.ACTIVE_ADAPTER_VERSION.set(0)
             await self._evict()
 
+    async def unload_adapter(self, name: str) -> LoadedAdapter:
+        """vLLM's unload: the named version serves no new request; the engine drops it once running ones end.
+
+        The active version is refused (409): requests naming the served model run on it.
+        """
+        self.require_engine()
+        async with self._trigger_lock:
+            adapter = self.registry.named(name)
+            if adapter is None:
+                raise ModelNotFound(f"lora_name {name!r}: no loaded adapter has that name (see GET /v1/models)")
+            if adapter is self.registry.active:
+                raise ApiError(
+                    409, "adapter_active",
+                    f"lora_name {name!r} is version {adapter.version}, the active adapter; load a newer version "
+                    "first, or clear it with POST /clear_lora_adapter/",
+                )
+            self.registry.forget(adapter.version)
+            metrics.LOADED_ADAPTERS.set(len(self.registry.loaded))
+        self._spawn(self._remove_when_unused(adapter))
+        log.info("adapter %s (%s) unloaded by name %r", adapter.handle.name, adapter.info.path, name)
+        return adapter
+
+    async def _remove_when_unused(self, adapter: LoadedAdapter) -> None:
+        while adapter.leases > 0:
+            await asyncio.sleep(0.05)
+        try:
+            if self.engine is not None:
+                await self.engine.remove_adapter(adapter.handle)
+        except Exception:  # the unload was answered; a failure only costs a slot
+            log.exception("unloading %s failed", adapter.handle.name)
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ------------------------------------------------------------------ pause (vLLM's /pause, /resume)
+
+    @property
+    def paused(self) -> bool:
+        return not self._resumed.is_set()
+
+    async def pause(self, mode: PauseMode) -> int:
+        """New generations wait at admission until `resume`; the number of running ones aborted or waited for.
+
+        keep: running generations go on (each runs on the adapter version it was admitted on, which
+        never changes); wait: returns once they have finished; abort: cancels them (their clients get
+        503 generation_aborted) and returns once they have stopped.
+        """
+        self.require_engine()
+        self._resumed.clear()
+        metrics.PAUSED.set(1)
+        running = set(self._inflight)
+        if mode == "abort":
+            for task in running:
+                self._aborted.add(task)
+                task.cancel()
+        if mode != "keep" and running:
+            await asyncio.wait(running)
+        log.info("generation paused (mode %s, %d running request(s) %s)", mode, len(running),
+                 {"abort": "aborted", "wait": "finished", "keep": "left running"}[mode])
+        return len(running) if mode != "keep" else 0
+
+    def resume(self) -> None:
+        self._resumed.set()
+        metrics.PAUSED.set(0)
+        log.info("generation resumed")
+
     def _refused(self, refusal: AdapterRefusal) -> None:
         metrics.ADAPTER_LOAD_FAILURES.labels(refusal.reason).inc()
         log.warning("adapter refused (%s): %s", refusal.reason, refusal.message)
 
     def _schedule_eviction(self) -> None:
         if len(self.registry.loaded) > self.registry.max_loaded:
-            task = asyncio.create_task(self._evict())
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._spawn(self._evict())
 
     async def _evict(self) -> None:
         """Unload versions beyond maxLoras that no request holds (forgotten first, so none can lease them)."""
@@ -360,6 +459,12 @@ class GenerationService:
 
     async def reset_prefix_cache(self) -> bool:
         return await self.require_engine().reset_prefix_cache()
+
+
+def _version_in(name: str | None) -> int | None:
+    """N of a client's adapter name `<name>-v<N>` (TRL names each sync so), if it has one above 0."""
+    match = VERSIONED_NAME.match(name) if name else None
+    return int(match.group(1)) or None if match else None
 
 
 async def _timed(work: Awaitable[T], phases: dict[str, float], phase: str) -> T:

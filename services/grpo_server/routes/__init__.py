@@ -2,6 +2,8 @@
 
 - `health`: health, world size, models, server info, Prometheus metrics;
 - `adapters`: adapter load/clear and prefix-cache reset (the run's token);
+- `rlhf`: vLLM's `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`, `/pause`, `/resume` (the run's
+  token) and `/is_paused`, for clients written for `vllm serve` (TRL's AsyncGRPOTrainer);
 - `native`: `/generate/` (Axolotl's serve script, TRL ≤ 1.10);
 - `openai`: `/v1/completions` and `/v1/chat/completions`.
 """

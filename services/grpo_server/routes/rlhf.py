@@ -1,0 +1,72 @@
+"""vLLM's runtime-LoRA and RL routes, so clients written for `vllm serve` run against this server unchanged.
+
+TRL's `AsyncGRPOTrainer` syncs its adapter with `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`
+(names `<lora>-v<N>`), between `/pause?mode=keep` and `/resume`. The same checks as
+`/set_lora_adapter/` apply: the directory stays inside the adapter root, shapes and ranks match the
+base model, weights are finite, versions only move forward. Every route but `/is_paused` needs the
+run's token (Bearer, or Basic auth with the token as password: `requests` sends a netrc entry).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Query
+
+from grpo_api.protocol import SetAdapterRequest, SetAdapterResponse
+from grpo_server.routes import add_routes
+from grpo_server.schemas import (
+    IsPausedResponse,
+    LoadLoraAdapterRequest,
+    PauseMode,
+    PauseResponse,
+    UnloadLoraAdapterRequest,
+    UnloadLoraAdapterResponse,
+)
+from grpo_server.security import require_token
+from grpo_server.service import GenerationService
+
+
+def router(service: GenerationService) -> APIRouter:
+    api = APIRouter(tags=["rl"])
+    token = [Depends(require_token(service.settings.token))]
+
+    async def load_lora_adapter(body: LoadLoraAdapterRequest) -> SetAdapterResponse:
+        request = SetAdapterRequest(lora_name=body.lora_name, lora_path=body.lora_path)
+        return await service.set_adapter(request, alias=body.lora_name)
+
+    add_routes(
+        api, ("/v1/load_lora_adapter",), load_lora_adapter, methods=["POST"], response_model=SetAdapterResponse,
+        dependencies=token,
+        summary="vLLM's adapter load: validated, loaded and activated; `<name>-v<N>` is version N",
+    )
+
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> UnloadLoraAdapterResponse:
+        adapter = await service.unload_adapter(body.lora_name)
+        return UnloadLoraAdapterResponse(lora_name=body.lora_name, version=adapter.version)
+
+    add_routes(
+        api, ("/v1/unload_lora_adapter",), unload_lora_adapter, methods=["POST"],
+        response_model=UnloadLoraAdapterResponse, dependencies=token,
+        summary="vLLM's adapter unload: no new request uses it; dropped once running ones end",
+    )
+
+    async def pause(mode: PauseMode = Query(default="abort")) -> PauseResponse:
+        requests = await service.pause(mode)
+        return PauseResponse(status="paused", mode=mode, requests=requests)
+
+    add_routes(
+        api, ("/pause",), pause, methods=["POST"], response_model=PauseResponse, dependencies=token,
+        summary="Pause generation: new requests wait for /resume; running ones are aborted, awaited or kept",
+    )
+
+    async def resume() -> PauseResponse:
+        service.resume()
+        return PauseResponse(status="resumed")
+
+    add_routes(api, ("/resume",), resume, methods=["POST"], response_model=PauseResponse, dependencies=token,
+               summary="Resume generation after /pause")
+
+    def is_paused() -> IsPausedResponse:
+        return IsPausedResponse(is_paused=service.paused)
+
+    add_routes(api, ("/is_paused",), is_paused, methods=["GET"], response_model=IsPausedResponse)
+    return api
