@@ -63,6 +63,9 @@ class HealthResponse(WireModel):
     )
     engine: str = Field(description="vllm or transformers.")
     adapter: ActiveAdapter | None = Field(default=None, description="Active adapter, or none.")
+    weights_version: int = Field(
+        default=0, description="Version of the base weights: 0 as read from disk, then one per weight transfer."
+    )
     uptime_seconds: float = Field(description="Seconds since the process started.")
     progress: TrainingProgress | None = Field(
         default=None, description="The trainer's latest progress file, when the server can read it."

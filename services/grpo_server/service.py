@@ -13,7 +13,8 @@ import datetime as dt
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -35,13 +36,21 @@ from grpo_server.adapter_checks import (
     verify_adapter_files,
 )
 from grpo_server.engines import choose_engine, create_engine
-from grpo_server.engines.base import AdapterHandle, AdapterLoadError, Engine, PromptResult, SamplingOptions
+from grpo_server.engines.base import (
+    AdapterHandle,
+    AdapterLoadError,
+    Engine,
+    PromptResult,
+    SamplingOptions,
+    WeightReceiver,
+)
 from grpo_server.errors import ApiError, BadRequest
 from grpo_server.prompts import PromptEncoder
 from grpo_server.registry import VERSIONED_NAME, AdapterRegistry, LoadedAdapter, ModelNotFound, adapter_name
 from grpo_server.sampling import Limits, check_options, check_prompts
 from grpo_server.schemas import PauseMode
 from grpo_server.settings import TRIGGER_WAIT_SECONDS, ServerSettings
+from grpo_server.weight_updates import WeightUpdates
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -54,6 +63,7 @@ T = TypeVar("T")
 class Generated:
     results: list[PromptResult]
     adapter_version: int | None
+    weights_version: int = 0
 
 
 class GenerationService:
@@ -83,6 +93,10 @@ class GenerationService:
         self._resumed.set()
         self._inflight: set[asyncio.Future[list[PromptResult]]] = set()
         self._aborted: set[asyncio.Future[list[PromptResult]]] = set()
+        #: Cleared while a weight update is applied (new generations wait, running ones finish first).
+        self._weights_settled = asyncio.Event()
+        self._weights_settled.set()
+        self.weights = WeightUpdates(self._exclusive, lambda: len(self.registry.loaded))
         metrics.BOOT_TIME.set(self.started_at)
         metrics.ENGINE_READY.set(0)
         metrics.PAUSED.set(0)
@@ -174,6 +188,7 @@ class GenerationService:
             model_fingerprint=self.fingerprint,
             engine=self.engine_kind,
             adapter=active.info if active is not None else None,
+            weights_version=self.weights.version,
             uptime_seconds=round(time.monotonic() - self._started_monotonic, 3),
             progress=self.read_progress(),
         )
@@ -203,8 +218,10 @@ class GenerationService:
         limits = self.require_limits()
         check_prompts(prompts, limits)
         check_options(options, prompts, limits)
-        if self.paused:
+        while self.paused or not self._weights_settled.is_set():
             await self._resumed.wait()
+            await self._weights_settled.wait()
+        weights_version = self.weights.version
         with self.registry.lease(model) as lease, metrics.REQUESTS_IN_FLIGHT.track_inprogress():
             task = asyncio.ensure_future(engine.generate(prompts, options, lease.handle))
             self._inflight.add(task)
@@ -223,7 +240,7 @@ class GenerationService:
         self._schedule_eviction()
         metrics.PROMPT_TOKENS.inc(sum(len(p) for p in prompts))
         metrics.GENERATION_TOKENS.inc(sum(len(c.token_ids) for r in results for c in r.completions))
-        return Generated(results, lease.version)
+        return Generated(results, lease.version, weights_version)
 
     def response_model_name(self, model: str | None) -> str:
         return model or self.settings.served_model_name
@@ -246,6 +263,13 @@ class GenerationService:
             raise BadRequest("version is required with path")
         named_version = _version_in(alias)
         try:
+            if self.weights.version > 0 or self.weights.updating:
+                raise AdapterRefusal(
+                    "adapter_base_model_mismatch",
+                    f"the base weights were replaced by weight transfer (weights version {self.weights.version}"
+                    f"{', an update in progress' if self.weights.updating else ''}); adapters are trained on the "
+                    "checkpoint's weights. Use a fresh server for adapters",
+                )
             if ours and request.version is not None:  # a stale trigger need not queue behind a load
                 self.registry.refuse_out_of_order(request.version, request.sha256)
             elif named_version is not None:
@@ -429,6 +453,25 @@ class GenerationService:
         log.info("generation paused (mode %s, %d running request(s) %s)", mode, len(running),
                  {"abort": "aborted", "wait": "finished", "keep": "left running"}[mode])
         return len(running) if mode != "keep" else 0
+
+    @asynccontextmanager
+    async def _exclusive(self) -> AsyncIterator[None]:
+        """The body runs while no generation runs: new ones wait, running ones finish first."""
+        self._weights_settled.clear()
+        try:
+            running = set(self._inflight)
+            if running:
+                await asyncio.wait(running)
+            yield
+        finally:
+            self._weights_settled.set()
+
+    def weight_receiver(self) -> WeightReceiver:
+        receiver = self.require_engine().weight_receiver()
+        if receiver is None:
+            raise ApiError(501, "weight_transfer_unsupported",
+                           f"the {self.engine_kind} engine does not take weight transfers yet")
+        return receiver
 
     def resume(self) -> None:
         self._resumed.set()

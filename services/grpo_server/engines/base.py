@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Protocol
 
+from grpo_api.weight_transfer import WeightTransferInit, WeightUpdateInfo
 from grpo_server.errors import ServerError
 
 FinishReason = Literal["stop", "length"]
@@ -156,6 +157,39 @@ class AdapterLoadError(RuntimeError):
     """The engine could not load an adapter that passed the server's checks."""
 
 
+class WeightTransferError(ServerError):
+    """A weight transfer failed in the transport (rendezvous, a broadcast); the update cannot finish (503)."""
+
+    default_status = 503
+    default_error = "weight_transfer_failed"
+
+
+class WeightReceiver(Protocol):
+    """An engine's side of vLLM's weight transfer: join the trainer's group, stage tensors, apply them.
+
+    Staged tensors serve no request until `commit`, which the service runs only while no generation
+    runs; a failed `receive` leaves the engine's weights as they were.
+    """
+
+    def parameters(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Every parameter an update may name (checkpoint names): its shape and dtype name."""
+
+    async def join(self, init: WeightTransferInit, timeout: float) -> None:
+        """Join the trainer's transfer group (replacing an earlier one); raises WeightTransferError."""
+
+    async def receive(self, update: WeightUpdateInfo, timeout: float) -> None:
+        """Receive the tensors `update` names, in its order, into staging; raises WeightTransferError."""
+
+    async def commit(self) -> int:
+        """Copy the staged tensors into the model (no generation runs meanwhile); how many there were."""
+
+    def discard(self) -> None:
+        """Drop staged tensors."""
+
+    def close(self) -> None:
+        """Leave the transfer group."""
+
+
 class Engine(Protocol):
     """An inference engine serving one base model plus runtime LoRA adapters."""
 
@@ -191,6 +225,9 @@ class Engine(Protocol):
 
     async def reset_prefix_cache(self) -> bool:
         """Drop cached prefixes; True when the cache was reset."""
+
+    def weight_receiver(self) -> WeightReceiver | None:
+        """The engine's side of vLLM's weight transfer, or None when it cannot take one."""
 
     async def shutdown(self) -> None:
         """Stop the engine and its child processes or threads."""

@@ -39,6 +39,7 @@ from grpo_server.engines.base import (
     SamplingOptions,
     StructuredOutput,
 )
+from grpo_server.engines.gloo_weights import DTYPES, GlooWeightReceiver
 from grpo_server.engines.serial import PRIORITY_ADAPTER, PRIORITY_GENERATE, SerialWorker
 
 if TYPE_CHECKING:
@@ -47,7 +48,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -92,6 +92,7 @@ class TransformersEngine:
         self._max_model_len = 0
         self._adapters: set[str] = set()
         self._enforcer_data: dict[bool, TokenEnforcerTokenizerData] = {}  # for JSON or not
+        self._weights: GlooWeightReceiver | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -143,6 +144,20 @@ class TransformersEngine:
 
     async def reset_prefix_cache(self) -> bool:
         return True  # no cache outlives a request
+
+    def weight_receiver(self) -> GlooWeightReceiver:
+        """vLLM's weight transfer over gloo (see gloo_weights.py)."""
+        if self._weights is None:
+            def model() -> PreTrainedModel:
+                assert self._model is not None, "weights are received once the engine has started"
+                return self._model
+
+            def worker() -> SerialWorker:
+                assert self._worker is not None
+                return self._worker
+
+            self._weights = GlooWeightReceiver(model, worker)
+        return self._weights
 
     # ------------------------------------------------------------------ adapters
 

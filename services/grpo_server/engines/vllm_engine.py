@@ -141,6 +141,10 @@ class VllmEngine:
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.llm.reset_prefix_cache())
 
+    def weight_receiver(self) -> None:
+        """Not yet: vLLM's own weight transfer (`AsyncLLM.init_weight_transfer_engine`, nccl or ipc) is next."""
+        return None
+
     async def add_adapter(self, adapter: AdapterHandle) -> None:
         try:
             ok = await self.llm.add_lora(LoRARequest(adapter.name, adapter.int_id, adapter.path))

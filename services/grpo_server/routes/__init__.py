@@ -21,6 +21,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from grpo_api.protocol import ADAPTER_VERSION_HEADER, BOOT_ID_HEADER
+from grpo_api.weight_transfer import WEIGHTS_VERSION_HEADER
 from grpo_server.responses import Tagging
 from grpo_server.security import require_token
 from grpo_server.service import Generated, GenerationService
@@ -54,9 +55,10 @@ def tagging(service: GenerationService, model: str | None, generated: Generated,
 
 async def tagged(build: Callable[[], BaseModel], generated: Generated, boot_id: str) -> Response:
     """The response body built and serialised on a worker thread (a body holds a few values per sampled
-    token: megabytes for a large batch with logprobs), with the boot id and adapter version headers."""
+    token: megabytes for a large batch with logprobs), with the boot id, adapter and weights version headers."""
     version = generated.adapter_version
-    headers = {BOOT_ID_HEADER: boot_id, ADAPTER_VERSION_HEADER: str(version) if version is not None else "none"}
+    headers = {BOOT_ID_HEADER: boot_id, ADAPTER_VERSION_HEADER: str(version) if version is not None else "none",
+               WEIGHTS_VERSION_HEADER: str(generated.weights_version)}
 
     def serialise() -> bytes:
         return build().model_dump_json().encode()

@@ -3,8 +3,11 @@
 TRL's `AsyncGRPOTrainer` syncs its adapter with `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`
 (names `<lora>-v<N>`), between `/pause?mode=keep` and `/resume`. The same checks as
 `/set_lora_adapter/` apply: the directory stays inside the adapter root, shapes and ranks match the
-base model, weights are finite, versions only move forward. Every route but `/is_paused` needs the
-run's token (Bearer, or Basic auth with the token as password: `requests` sends a netrc entry).
+base model, weights are finite, versions only move forward. Whole weights (full fine-tuning, merged
+LoRA) arrive through vLLM's weight-transfer routes, `/init_weight_transfer_engine`,
+`/start_weight_update`, `/update_weights`, `/finish_weight_update` (rules: weight_updates.py). Every
+route but `/is_paused` needs the run's token (Bearer, or Basic auth with the token as password:
+`requests` sends a netrc entry).
 """
 
 from __future__ import annotations
@@ -12,6 +15,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Query
 
 from grpo_api.protocol import SetAdapterRequest, SetAdapterResponse
+from grpo_api.weight_transfer import (
+    FinishWeightUpdateRequest,
+    InitWeightTransferRequest,
+    StartWeightUpdateRequest,
+    UpdateWeightsRequest,
+    WeightTransferResponse,
+)
 from grpo_server.routes import add_routes
 from grpo_server.schemas import (
     IsPausedResponse,
@@ -64,6 +74,30 @@ def router(service: GenerationService) -> APIRouter:
 
     add_routes(api, ("/resume",), resume, methods=["POST"], response_model=PauseResponse, dependencies=token,
                summary="Resume generation after /pause")
+
+    async def init_weight_transfer_engine(body: InitWeightTransferRequest) -> WeightTransferResponse:
+        return await service.weights.join(service.weight_receiver(), body.init_info)
+
+    async def start_weight_update(body: StartWeightUpdateRequest | None = None) -> WeightTransferResponse:
+        return await service.weights.start(service.weight_receiver())
+
+    async def update_weights(body: UpdateWeightsRequest) -> WeightTransferResponse:
+        return await service.weights.update(service.weight_receiver(), body.update_info)
+
+    async def finish_weight_update(body: FinishWeightUpdateRequest | None = None) -> WeightTransferResponse:
+        return await service.weights.finish(service.weight_receiver(), body.version if body else None)
+
+    for path, endpoint, summary in (
+        ("/init_weight_transfer_engine", init_weight_transfer_engine,
+         "Join the trainer's weight-transfer group (the trainer is rank 0 and hosts the rendezvous)"),
+        ("/start_weight_update", start_weight_update, "Begin a weight update (no adapter may be loaded)"),
+        ("/update_weights", update_weights,
+         "Receive the named tensors, broadcast by the trainer while this call runs, into staging"),
+        ("/finish_weight_update", finish_weight_update,
+         "Apply the staged tensors between generations; the next weights version serves"),
+    ):
+        add_routes(api, (path,), endpoint, methods=["POST"], response_model=WeightTransferResponse,
+                   dependencies=token, summary=summary)
 
     def is_paused() -> IsPausedResponse:
         return IsPausedResponse(is_paused=service.paused)
