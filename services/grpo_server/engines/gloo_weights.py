@@ -102,7 +102,7 @@ class GlooWeightReceiver:
         except Exception as exc:  # DistStoreError, RuntimeError, OSError: all mean no group
             raise WeightTransferError(
                 f"init_info: could not join the trainer's group at {init.master_address}:{init.master_port} as "
-                f"rank {rank} of {init.world_size} within {timeout:.0f}s: {type(exc).__name__}: {exc}"
+                f"rank {rank} of {init.world_size} within {timeout:g}s: {type(exc).__name__}: {exc}"
             ) from exc
         log.info("joined the weight-transfer group at %s:%d as rank %d of %d (gloo)",
                  init.master_address, init.master_port, rank, init.world_size)
