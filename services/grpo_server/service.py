@@ -466,6 +466,11 @@ class GenerationService:
         finally:
             self._weights_settled.set()
 
+    def weight_transfer_config(self) -> dict[str, str] | None:
+        """vLLM's `weight_transfer_config` of /server_info: the engine's backend, None when it takes none."""
+        receiver = self.engine.weight_receiver() if self.engine is not None else None
+        return {"backend": receiver.backend} if receiver is not None else None
+
     def weight_receiver(self) -> WeightReceiver:
         receiver = self.require_engine().weight_receiver()
         if receiver is None:

@@ -171,6 +171,9 @@ class WeightReceiver(Protocol):
     runs; a failed `receive` leaves the engine's weights as they were.
     """
 
+    #: The transport, as vLLM's `weight_transfer_config.backend` names it (nccl, ipc), or gloo.
+    backend: str
+
     def parameters(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """Every parameter an update may name (checkpoint names): its shape and dtype name."""
 

@@ -74,6 +74,8 @@ def checkpoint_parameters(model: PreTrainedModel) -> dict[str, torch.nn.Paramete
 
 
 class GlooWeightReceiver:
+    backend = "gloo"
+
     def __init__(self, model: Callable[[], PreTrainedModel], worker: Callable[[], SerialWorker]) -> None:
         self._model = model
         self._worker = worker

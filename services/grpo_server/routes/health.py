@@ -74,8 +74,8 @@ def router(service: GenerationService) -> APIRouter:
                 "data_parallel_size": settings.server.data_parallel_size,
             },
             "cache_config": {"enable_prefix_caching": settings.server.enable_prefix_caching},
-            # adapters move through the shared volume and /set_lora_adapter/, not NCCL weight transfer
-            "weight_transfer_config": None,
+            # whole weights through /init_weight_transfer_engine and the update routes, where the engine takes them
+            "weight_transfer_config": service.weight_transfer_config(),
         }
         return ServerInfo(
             vllm_config=config if config_format == "json" else repr(config),
