@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from grpo_api.weight_transfer import WEIGHTS_VERSION_HEADER
+from grpo_server.engines.gloo_weights import STORE_PREFIX
 from tests.fixtures.server import RunningServer, free_port, start_server
 from tests.server.adapters import LoraMaker
 from tests.server.test_adapters import complete, token_ids
@@ -115,7 +116,7 @@ def _host_rendezvous(port: int) -> None:
 
     limit = dt.timedelta(seconds=60)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=limit, wait_for_workers=False)
-    dist.ProcessGroupGloo(dist.PrefixStore("grpo-weight-transfer", store), 0, 2, limit)
+    dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), 0, 2, limit)
     threading.Event().wait(60)
 
 

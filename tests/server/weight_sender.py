@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-STORE_PREFIX = "grpo-weight-transfer"  # the server's (grpo_server.engines.gloo_weights)
+from grpo_server.engines.gloo_weights import STORE_PREFIX
 
 
 def scaled(name: str, last_layer: int) -> bool:
