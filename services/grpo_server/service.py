@@ -117,7 +117,8 @@ class GenerationService:
             tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(settings.model_dir))
             shapes = await asyncio.to_thread(linear_shapes, settings.model_dir)
             engine = create_engine(
-                self.engine_kind, settings.model_dir, settings.served_model_name, settings.server, tokenizer
+                self.engine_kind, settings.model_dir, settings.served_model_name, settings.server, tokenizer,
+                weight_transfer=settings.weight_transfer,
             )
             await engine.start()
             self.fingerprint = await fingerprint
@@ -150,11 +151,17 @@ class GenerationService:
             self.encoder.close()
 
     def serving(self) -> bool:
-        return self.ready and self.engine is not None and self.engine.healthy()
+        """The engine is up and its weights are known (a weight update that could not be undone stops serving)."""
+        return self.ready and self.engine is not None and self.engine.healthy() and self.weights.broken is None
 
     def require_engine(self) -> Engine:
         if not self.serving() or self.engine is None:
-            state = "failed: " + self.load_error if self.load_error else "still loading"
+            if self.weights.broken is not None:
+                state = "unusable: " + self.weights.broken
+            elif self.ready:
+                state = "unhealthy"
+            else:
+                state = "failed: " + self.load_error if self.load_error else "still loading"
             raise ApiError(503, "engine_not_ready", f"the {self.engine_kind} engine is {state}")
         return self.engine
 
@@ -221,6 +228,7 @@ class GenerationService:
         while self.paused or not self._weights_settled.is_set():
             await self._resumed.wait()
             await self._weights_settled.wait()
+            engine = self.require_engine()  # a weight update that could not be undone ends serving
         weights_version = self.weights.version
         with self.registry.lease(model) as lease, metrics.REQUESTS_IN_FLIGHT.track_inprogress():
             task = asyncio.ensure_future(engine.generate(prompts, options, lease.handle))
@@ -475,7 +483,8 @@ class GenerationService:
         receiver = self.require_engine().weight_receiver()
         if receiver is None:
             raise ApiError(501, "weight_transfer_unsupported",
-                           f"the {self.engine_kind} engine does not take weight transfers yet")
+                           f"the {self.engine_kind} engine runs without a weight-transfer backend (nccl or ipc: set "
+                           "for full fine-tuning runs)")
         return receiver
 
     def resume(self) -> None:

@@ -60,7 +60,7 @@ NESTED: dict[str, list[str]] = {
     "logit_bias": ["5", "-1", "99999999"],
     "response_format": ["type", "json_schema"],
     "chat_template_kwargs": ["x"],
-    "update_info": ["names", "dtype_names", "shapes", "packed"],
+    "update_info": ["names", "dtype_names", "shapes", "packed", "ipc_handles", "ipc_handles_pickled"],
     "init_info": ["master_address", "master_port", "rank_offset", "world_size", "timeout_seconds"],
 }
 

@@ -6,7 +6,9 @@ the tensors an update names while `/update_weights` runs, as TRL's `WeightTransf
 
 from __future__ import annotations
 
+import base64
 import json
+import math
 import subprocess
 import sys
 import threading
@@ -87,6 +89,10 @@ def test_the_routes_need_the_token_and_an_initialised_group(server):
     assert bad.status_code in (400, 422)
     for field in ("master_address", "master_port", "rank_offset", "world_size"):
         assert field in bad.text
+    empty = post(server, "/init_weight_transfer_engine", {"init_info": {}})  # ipc's init_info: gloo needs a group
+    assert empty.status_code == 400, empty.text
+    for field in ("master_address", "master_port", "rank_offset", "world_size"):
+        assert f"init_info.{field}: required by the gloo backend" in empty.json()["message"]
     nobody = post(server, "/init_weight_transfer_engine", {"init_info": {
         "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
         "timeout_seconds": 3}})
@@ -152,6 +158,17 @@ def test_pushed_weights_serve_from_the_next_request_with_their_version_and_the_o
     assert "weight transfer" in late.json()["message"]
 
 
+def ipc_handle(shape: list[int]) -> dict[str, object]:
+    """A well-formed CUDA IPC handle (JSON form) of a contiguous float32 tensor of `shape`."""
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return {"dtype": "float32", "size": shape, "stride": strides, "tensor_offset": 0, "device_index": 0,
+            "storage_handle": base64.b64encode(bytes(64)).decode(), "storage_size_bytes": 4 * math.prod(shape),
+            "storage_offset_bytes": 0, "ref_counter_handle": base64.b64encode(b"/torch_1").decode(),
+            "ref_counter_offset": 0}
+
+
 def test_a_refused_or_failed_update_never_serves(server, served_model_dir):
     before = complete(server)
     version = before.headers[WEIGHTS_VERSION_HEADER]
@@ -171,6 +188,10 @@ def test_a_refused_or_failed_update_never_serves(server, served_model_dir):
         ({"names": names[:2], "dtype_names": ["float32"], "shapes": good_shapes[:2]}, "one entry per tensor"),
         ({"names": [names[0], names[0]], "dtype_names": ["float32"] * 2, "shapes": [good_shapes[0]] * 2},
          "appears twice"),
+        ({"names": names[:1], "dtype_names": ["float32"], "shapes": good_shapes[:1],
+          "ipc_handles": [{"GPU-0": ipc_handle(good_shapes[0])}]}, "update_info.ipc_handles: the gloo backend"),
+        ({"names": names[:1], "dtype_names": ["float32"], "shapes": good_shapes[:1],
+          "ipc_handles_pickled": base64.b64encode(b"cos\nsystem\n").decode()}, "ipc_handles_pickled"),
     ):
         refused = post(server, "/update_weights", {"update_info": info})
         assert refused.status_code in (400, 422) and field in refused.text, (field, refused.text)

@@ -48,13 +48,18 @@ def choose_engine(requested: str) -> str:
 
 
 def create_engine(
-    kind: str, model_dir: Path, served_name: str, server: ServerSpec, tokenizer: PreTrainedTokenizerBase
+    kind: str, model_dir: Path, served_name: str, server: ServerSpec, tokenizer: PreTrainedTokenizerBase,
+    weight_transfer: str | None = None,
 ) -> Engine:
-    """A not-yet-started engine of `kind` (vllm or transformers)."""
+    """A not-yet-started engine of `kind` (vllm or transformers).
+
+    `weight_transfer` is the vllm engine's backend for vLLM's weight transfer (nccl, ipc; None: off);
+    the transformers engine always receives over gloo and ignores it.
+    """
     if kind == "vllm":
         from grpo_server.engines.vllm_engine import VllmEngine
 
-        return VllmEngine(model_dir, served_name, server, tokenizer)
+        return VllmEngine(model_dir, served_name, server, tokenizer, weight_transfer=weight_transfer)
     from grpo_server.engines.transformers_engine import TransformersEngine
 
     return TransformersEngine(model_dir, tokenizer, dtype=str(server.dtype), max_model_len=server.max_model_len)

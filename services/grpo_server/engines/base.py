@@ -165,14 +165,22 @@ class WeightTransferError(ServerError):
 
 
 class WeightReceiver(Protocol):
-    """An engine's side of vLLM's weight transfer: join the trainer's group, stage tensors, apply them.
+    """An engine's side of vLLM's weight transfer: join the trainer's group, receive tensors, apply them.
 
-    Staged tensors serve no request until `commit`, which the service runs only while no generation
-    runs; a failed `receive` leaves the engine's weights as they were.
+    Two kinds (`in_place`), and `weight_updates.WeightUpdates` keeps the same rules for both:
+
+    - staging (the transformers engine's gloo): `receive` fills staging buffers while generation
+      goes on, `commit` copies them into the model (the service runs it while no generation runs),
+      and a failed `receive` leaves the served weights as they were;
+    - in place (vLLM's own engine, nccl or ipc): `start` and `receive` load into the live model, so
+      the service runs them, and `commit`, while no generation runs, from the update's first tensor
+      to its end; an update that does not end in `commit` is undone with `restore`.
     """
 
     #: The transport, as vLLM's `weight_transfer_config.backend` names it (nccl, ipc), or gloo.
     backend: str
+    #: True when `receive` writes into the served model (no staging).
+    in_place: bool
 
     def parameters(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """Every parameter an update may name (checkpoint names): its shape and dtype name."""
@@ -180,11 +188,19 @@ class WeightReceiver(Protocol):
     async def join(self, init: WeightTransferInit, timeout: float) -> None:
         """Join the trainer's transfer group (replacing an earlier one); raises WeightTransferError."""
 
+    async def start(self) -> None:
+        """Prepare the model for an update's tensors (in place: vLLM's `start_weight_update`); raises
+        WeightTransferError."""
+
     async def receive(self, update: WeightUpdateInfo, timeout: float) -> None:
-        """Receive the tensors `update` names, in its order, into staging; raises WeightTransferError."""
+        """Receive the tensors `update` names, in its order (into staging, or in place); raises WeightTransferError."""
 
     async def commit(self) -> int:
-        """Copy the staged tensors into the model (no generation runs meanwhile); how many there were."""
+        """Make the update the served weights (no generation runs meanwhile); how many tensors it had."""
+
+    async def restore(self) -> None:
+        """In place: load the checkpoint's weights from disk again over an unfinished update; raises when
+        it cannot, and the served weights are then unknown."""
 
     def discard(self) -> None:
         """Drop staged tensors."""

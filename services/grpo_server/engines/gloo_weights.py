@@ -75,6 +75,7 @@ def checkpoint_parameters(model: PreTrainedModel) -> dict[str, torch.nn.Paramete
 
 class GlooWeightReceiver:
     backend = "gloo"
+    in_place = False  # received into staging, copied into the model at commit
 
     def __init__(self, model: Callable[[], PreTrainedModel], worker: Callable[[], SerialWorker]) -> None:
         self._model = model
@@ -90,24 +91,28 @@ class GlooWeightReceiver:
 
     async def join(self, init: WeightTransferInit, timeout: float) -> None:
         self.close()
-        rank = init.rank_offset  # this engine is one worker
+        group = init.rendezvous()
+        rank = group.rank_offset  # this engine is one worker
 
         def rendezvous() -> tuple[torch.distributed.TCPStore, torch.distributed.ProcessGroupGloo]:
             limit = dt.timedelta(seconds=timeout)
-            store = torch.distributed.TCPStore(init.master_address, init.master_port, init.world_size,
+            store = torch.distributed.TCPStore(group.master_address, group.master_port, group.world_size,
                                                is_master=False, timeout=limit, wait_for_workers=False)
             prefixed = torch.distributed.PrefixStore(STORE_PREFIX, store)
-            return store, torch.distributed.ProcessGroupGloo(prefixed, rank, init.world_size, limit)
+            return store, torch.distributed.ProcessGroupGloo(prefixed, rank, group.world_size, limit)
 
         try:
             self._store, self._group = await on_daemon_thread(rendezvous, "weight-transfer-rendezvous")
         except Exception as exc:  # DistStoreError, RuntimeError, OSError: all mean no group
             raise WeightTransferError(
-                f"init_info: could not join the trainer's group at {init.master_address}:{init.master_port} as "
-                f"rank {rank} of {init.world_size} within {timeout:g}s: {type(exc).__name__}: {exc}"
+                f"init_info: could not join the trainer's group at {group.master_address}:{group.master_port} as "
+                f"rank {rank} of {group.world_size} within {timeout:g}s: {type(exc).__name__}: {exc}"
             ) from exc
         log.info("joined the weight-transfer group at %s:%d as rank %d of %d (gloo)",
-                 init.master_address, init.master_port, rank, init.world_size)
+                 group.master_address, group.master_port, rank, group.world_size)
+
+    async def start(self) -> None:
+        """Nothing to prepare: tensors arrive into staging."""
 
     async def receive(self, update: WeightUpdateInfo, timeout: float) -> None:
         group = self._group
@@ -140,6 +145,9 @@ class GlooWeightReceiver:
             return len(staged)
 
         return await self._worker().call(apply, PRIORITY_ADAPTER)
+
+    async def restore(self) -> None:
+        """Never needed: the served weights change only in `commit`."""
 
     def discard(self) -> None:
         self._staged = {}

@@ -19,6 +19,11 @@ arrays per request per decoding step, which the frontend deserialises again. So:
   completions are generated without logprobs and then scored in one prefill pass over
   prompt + completion (`prompt_logprobs=0`, same adapter): one array per sequence
   instead of three per token. Anything else takes the sampler's logprobs.
+
+Whole-weight updates go through vLLM's own weight transfer (`vllm_weights.py`) when the engine is
+built with a backend (`weight_transfer`: nccl or ipc, or `weight_transfer_config` in extraEngineArgs,
+which wins as every extra argument does); without one, `weight_receiver()` is None and the routes
+answer 501.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from grpo_server.engines.logprobs import (
     rescore_equals_sampler,
     sampled_logprobs,
 )
+from grpo_server.engines.vllm_weights import BACKENDS, VllmWeightReceiver
 from grpo_server.sampling import MAX_LOGPROBS
 
 if TYPE_CHECKING:
@@ -66,8 +72,18 @@ log = logging.getLogger(__name__)
 #: Alternatives per token a request may ask for (vLLM's `max_logprobs`).
 
 
-def engine_args(model_dir: Path, served_name: str, server: ServerSpec) -> AsyncEngineArgs:
-    """AsyncEngineArgs from the run's server section; extraEngineArgs override the rest."""
+def engine_args(
+    model_dir: Path, served_name: str, server: ServerSpec, weight_transfer: str | None = None
+) -> AsyncEngineArgs:
+    """AsyncEngineArgs from the run's server section; extraEngineArgs override the rest.
+
+    `weight_transfer` (nccl, ipc) sets vLLM's `weight_transfer_config`; None leaves it unset (no
+    weight transfer engine in the workers). With a weight-transfer backend LoRA is off (unless
+    extraEngineArgs say otherwise): vLLM loads pushed tensors, and the checkpoint when an update is
+    undone, by checkpoint name through the model's `load_weights`, and its LoRA wrappers move every
+    linear layer's weight to `<layer>.base_layer.weight`, where those loaders do not look (vLLM 0.26);
+    a full fine-tuning run serves no adapter anyway.
+    """
     kwargs: dict[str, Any] = {
         "model": str(model_dir),
         "served_model_name": [served_name],
@@ -87,7 +103,11 @@ def engine_args(model_dir: Path, served_name: str, server: ServerSpec) -> AsyncE
         "max_logprobs": MAX_LOGPROBS,
         "disable_log_stats": False,
     }
+    if weight_transfer is not None:
+        kwargs["weight_transfer_config"] = {"backend": weight_transfer}
     kwargs.update(server.extra_engine_args)
+    if kwargs.get("weight_transfer_config") is not None and "enable_lora" not in server.extra_engine_args:
+        kwargs["enable_lora"] = False
     try:
         return AsyncEngineArgs(**kwargs)
     except TypeError as exc:
@@ -100,16 +120,33 @@ class VllmEngine:
     name = "vllm"
 
     def __init__(
-        self, model_dir: Path, served_name: str, server: ServerSpec, tokenizer: PreTrainedTokenizerBase
+        self, model_dir: Path, served_name: str, server: ServerSpec, tokenizer: PreTrainedTokenizerBase,
+        weight_transfer: str | None = None,
     ) -> None:
-        self._args = engine_args(model_dir, served_name, server)
+        if weight_transfer is not None and weight_transfer not in BACKENDS:
+            raise ValueError(f"weight_transfer: {weight_transfer!r} is not one of {', '.join(BACKENDS)} (or None: off)")
+        self._args = engine_args(model_dir, served_name, server, weight_transfer)
         self._tokenizer = tokenizer
         self.logprobs_source = str(server.logprobs_source)
         self._llm: AsyncLLM | None = None
+        # the backend vLLM is configured with (extraEngineArgs may have set it)
+        config = self._args.weight_transfer_config
+        backend = config.backend if config is not None else None
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"server.extraEngineArgs.weight_transfer_config.backend: {backend!r}; this server "
+                             f"forwards only {', '.join(BACKENDS)}")
+        self._weights = (
+            VllmWeightReceiver(backend, lambda: self.llm, model_dir, lambda: self.world_size) if backend else None
+        )
 
     async def start(self) -> None:
         # The engine core is a child process; spawn avoids forking a threaded server process.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        if self._weights is not None and self._weights.backend == "ipc":
+            # vLLM's worker reads IPC handles only as a pickle, and only with this set; the pickle is
+            # built by this server from validated JSON (vllm_weights.py), never taken from a request.
+            # Set before the engine core starts: it and its workers read it at startup.
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         # Built off the event loop so /health answers 503 while it loads; AsyncLLM starts its
         # output handler on the first request, inside the loop.
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self._args)
@@ -141,11 +178,14 @@ class VllmEngine:
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.llm.reset_prefix_cache())
 
-    def weight_receiver(self) -> None:
-        """Not yet: vLLM's own weight transfer (`AsyncLLM.init_weight_transfer_engine`, nccl or ipc) is next."""
-        return None
+    def weight_receiver(self) -> VllmWeightReceiver | None:
+        """vLLM's own weight transfer (nccl or ipc) when the engine has a backend, else None (routes answer 501)."""
+        return self._weights
 
     async def add_adapter(self, adapter: AdapterHandle) -> None:
+        if not self._args.enable_lora:
+            raise AdapterLoadError(f"{adapter.path}: this engine runs without LoRA (it takes whole weights over "
+                                   f"{self._weights.backend if self._weights else 'weight transfer'})")
         try:
             ok = await self.llm.add_lora(LoRARequest(adapter.name, adapter.int_id, adapter.path))
         except EngineDeadError as exc:

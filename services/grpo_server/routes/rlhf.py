@@ -5,7 +5,8 @@ TRL's `AsyncGRPOTrainer` syncs its adapter with `/v1/load_lora_adapter` and `/v1
 `/set_lora_adapter/` apply: the directory stays inside the adapter root, shapes and ranks match the
 base model, weights are finite, versions only move forward. Whole weights (full fine-tuning, merged
 LoRA) arrive through vLLM's weight-transfer routes, `/init_weight_transfer_engine`,
-`/start_weight_update`, `/update_weights`, `/finish_weight_update` (rules: weight_updates.py). Every
+`/start_weight_update`, `/update_weights`, `/finish_weight_update` (rules: weight_updates.py; the
+ipc backend's handles as JSON, never vLLM's pickle: grpo_api.weight_transfer). Every
 route but `/is_paused` needs the run's token (Bearer, or Basic auth with the token as password:
 `requests` sends a netrc entry).
 """
@@ -89,12 +90,13 @@ def router(service: GenerationService) -> APIRouter:
 
     for path, endpoint, summary in (
         ("/init_weight_transfer_engine", init_weight_transfer_engine,
-         "Join the trainer's weight-transfer group (the trainer is rank 0 and hosts the rendezvous)"),
+         "Join the trainer's weight-transfer group (nccl, gloo: the trainer is rank 0 and hosts the rendezvous; "
+         "ipc: init_info {})"),
         ("/start_weight_update", start_weight_update, "Begin a weight update (no adapter may be loaded)"),
         ("/update_weights", update_weights,
-         "Receive the named tensors, broadcast by the trainer while this call runs, into staging"),
+         "Receive the named tensors (broadcast by the trainer while this call runs, or by CUDA IPC handle)"),
         ("/finish_weight_update", finish_weight_update,
-         "Apply the staged tensors between generations; the next weights version serves"),
+         "Make the update the served weights between generations; the next weights version serves"),
     ):
         add_routes(api, (path,), endpoint, methods=["POST"], response_model=WeightTransferResponse,
                    dependencies=token, summary=summary)
