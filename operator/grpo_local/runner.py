@@ -299,7 +299,8 @@ class LocalRun:
                 argv=[self.python, "-m", "grpo_cli.main", "serve", "--config", str(self.config_file),
                       "--host", "127.0.0.1", "--port", str(port)],
                 log_path=self.logs_dir / f"server-attempt-{attempt}{suffix}.log",
-                env=self.child_env(attempt, self.run.spec.effective_server.env),
+                # weightTransfer auto: the server shares the trainer's GPU here, so CUDA IPC
+                env={"GRPO_WEIGHT_TRANSFER": "ipc", **self.child_env(attempt, self.run.spec.effective_server.env)},
             )
             child.start()
             started.append(child)

@@ -714,6 +714,10 @@ def build_trainer_job(
             {"name": "GRPO_MASTER_PORT", "value": str(RENDEZVOUS_PORT)},
         ]
         ports.append({"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"})
+    if server_mode and trainer.pushes_weights:
+        # Full fine-tuning or merged LoRA: the server's workers join the trainer's weight-transfer group
+        # (nccl) at this address.
+        ours.append({"name": "GRPO_TRAINER_ADDRESS", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     container = {
         "name": TRAINER,
         "image": trainer.image or images.trainer,

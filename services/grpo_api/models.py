@@ -708,6 +708,28 @@ class Engine(StrEnum):
     TRANSFORMERS = "transformers"
 
 
+class Tuning(StrEnum):
+    """What training changes: a LoRA adapter, or every weight of the policy."""
+
+    LORA = "lora"
+    FULL = "full"
+
+
+class SyncPath(StrEnum):
+    """How a LoRA run's policy reaches the server."""
+
+    ADAPTER = "adapter"
+    MERGED = "merged"
+
+
+class WeightTransfer(StrEnum):
+    """How a full fine-tuning run's weights reach the vllm engine (vLLM's weight-transfer backends)."""
+
+    AUTO = "auto"
+    IPC = "ipc"
+    NCCL = "nccl"
+
+
 class LogprobsSource(StrEnum):
     AUTO = "auto"
     SAMPLER = "sampler"
@@ -1042,6 +1064,14 @@ class ServerSpec(PodSettings):
         default=4, ge=1, le=64, description="Adapters resident at once (at least the staleness window + 1)."
     )
     max_lora_rank: int = Field(default=64, description="Largest LoRA rank the server accepts.")
+    weight_transfer: WeightTransfer = Field(
+        default=WeightTransfer.AUTO,
+        description="With trainer.tuning full: how the trainer's weights reach the vllm engine. ipc: CUDA IPC "
+        "handles, trainer and server on the same GPU (no copy over a network). nccl: a NCCL broadcast from "
+        "the trainer (rank 0, hosting the rendezvous) to the server's workers, across GPUs and pods. auto: "
+        "ipc under `grpo run`, nccl on a cluster. The transformers engine receives over gloo whatever this "
+        "says. Unused with tuning lora.",
+    )
     logprobs_source: LogprobsSource = Field(
         default=LogprobsSource.SAMPLER,
         description="Where the vllm engine takes the sampled tokens' logprobs from. sampler: vLLM's "
@@ -1202,6 +1232,24 @@ class StructuredOutputsSpec(ApiModel):
 MAX_TRAINER_NODES = 64
 MAX_TRAINER_PROCS_PER_NODE = 16
 
+FULL_TUNING_QLORA_MESSAGE = (
+    "trainer.lora.quantizeBase (QLoRA) trains an adapter over a 4-bit base: it cannot be combined with "
+    "trainer.tuning full"
+)
+FULL_TUNING_FSDP_MESSAGE = (
+    "trainer.tuning full with strategy fsdp is not supported yet (the pushed weights would be gathered from "
+    "the shards); use strategy ddp"
+)
+
+MERGED_SYNC_MESSAGE = (
+    "trainer.sync merged merges a LoRA adapter into full-precision base weights: it needs trainer.tuning lora "
+    "without lora.quantizeBase"
+)
+MERGED_SYNC_FSDP_MESSAGE = (
+    "trainer.sync merged with strategy fsdp is not supported yet (the merged weights would be gathered from the "
+    "shards); use strategy ddp or sync adapter"
+)
+
 MAX_STALENESS_MESSAGE = (
     "trainer.maxStaleness must be at least trainer.prefetchDepth with asyncPrefetch: a prefetched batch is "
     "that many versions behind by construction"
@@ -1224,7 +1272,22 @@ class TrainerSpec(PodSettings):
         default="IfNotPresent", description="Image pull policy."
     )
     resources: Resources = Field(default_factory=_gpu_resources, description="Trainer container resources.")
-    lora: LoraSpec = Field(default_factory=LoraSpec, description="LoRA adapter settings.")
+    tuning: Tuning = Field(
+        default=Tuning.LORA,
+        description="lora: train a LoRA adapter (trainer.lora); the server loads each published version "
+        "from the shared volume. full: train every weight; each sync pushes the whole policy into the "
+        "server with vLLM's weight transfer (server.weightTransfer) and the server reports the weights "
+        "version behind each completion (X-GRPO-Weights-Version); checkpoints hold the full model.",
+    )
+    lora: LoraSpec = Field(default_factory=LoraSpec, description="LoRA adapter settings (tuning lora).")
+    sync: SyncPath = Field(
+        default=SyncPath.ADAPTER,
+        description="With tuning lora in server mode, what each sync sends. adapter: the adapter, published to "
+        "the shared volume and loaded by the server (vLLM's LoRA kernels at generation). merged: the target "
+        "modules' weights with the adapter merged in (W + scale·BA), pushed like full fine-tuning's "
+        "(server.weightTransfer), so the server generates on plain weights; checkpoints keep the adapter and "
+        "the last one is published to the volume at the end.",
+    )
     num_generations: int = Field(default=8, ge=2, le=1024, description="Completions per prompt (the group).")
     max_completion_length: int = Field(default=256, ge=1, description="Maximum generated tokens per completion.")
     max_prompt_length: int | None = Field(
@@ -1330,7 +1393,25 @@ class TrainerSpec(PodSettings):
         if self.async_prefetch and self.max_staleness is not None and self.max_staleness < self.prefetch_depth:
             raise ValueError(f"{MAX_STALENESS_MESSAGE} (maxStaleness {self.max_staleness}, prefetchDepth "
                              f"{self.prefetch_depth})")
+        if self.tuning == Tuning.FULL and self.lora.quantize_base:
+            raise ValueError(FULL_TUNING_QLORA_MESSAGE)
+        if self.sync == SyncPath.MERGED and (self.tuning == Tuning.FULL or self.lora.quantize_base):
+            raise ValueError(MERGED_SYNC_MESSAGE)
+        if self.sync == SyncPath.MERGED and self.strategy == Strategy.FSDP:
+            raise ValueError(MERGED_SYNC_FSDP_MESSAGE)
+        if self.tuning == Tuning.FULL and self.strategy == Strategy.FSDP:
+            raise ValueError(FULL_TUNING_FSDP_MESSAGE)
         return self
+
+    @property
+    def full(self) -> bool:
+        """Every weight trains and moves to the server by weight transfer."""
+        return self.tuning == Tuning.FULL
+
+    @property
+    def pushes_weights(self) -> bool:
+        """Each sync pushes weights into the server (full tuning, or LoRA merged into the target modules)."""
+        return self.full or self.sync == SyncPath.MERGED
 
 
 STORAGE_SIZE_MESSAGE = "storage.size must be a quantity greater than zero, e.g. 20Gi"
@@ -1623,7 +1704,7 @@ class GRPORunSpec(ApiModel):
                                      f"{STORAGE_MOUNTS_TAKEN}")
         if self.mode == Mode.SERVER:
             server = self.effective_server
-            if self.trainer.lora.r > server.max_lora_rank:
+            if not self.trainer.pushes_weights and self.trainer.lora.r > server.max_lora_rank:
                 raise ValueError(
                     f"trainer.lora.r ({self.trainer.lora.r}) exceeds server.maxLoraRank ({server.max_lora_rank})"
                 )
@@ -1646,6 +1727,8 @@ SPEC_RULES: list[dict[str, str]] = [
     # Server mode without a server section runs the default server: its maxLoraRank still applies.
     _cel(
         "self.mode == 'colocate' || !has(self.trainer) || !has(self.trainer.lora) || !has(self.trainer.lora.r) "
+        "|| (has(self.trainer.tuning) && self.trainer.tuning == 'full') "
+        "|| (has(self.trainer.sync) && self.trainer.sync == 'merged') "
         "|| self.trainer.lora.r <= ((has(self.server) && has(self.server.maxLoraRank)) "
         f"? self.server.maxLoraRank : {ServerSpec.model_fields['max_lora_rank'].default})",
         "spec.trainer.lora.r must not exceed spec.server.maxLoraRank "
@@ -1688,6 +1771,28 @@ TRAINER_RULES: list[dict[str, str]] = [
         "self.maxStaleness >= (has(self.prefetchDepth) ? self.prefetchDepth : 1)",
         MAX_STALENESS_MESSAGE,
         fieldPath=".maxStaleness",
+    ),
+    _cel(
+        "!has(self.tuning) || self.tuning != 'full' || !has(self.lora) || !has(self.lora.quantizeBase) || "
+        "!self.lora.quantizeBase",
+        FULL_TUNING_QLORA_MESSAGE,
+        fieldPath=".tuning",
+    ),
+    _cel(
+        "!has(self.tuning) || self.tuning != 'full' || !has(self.strategy) || self.strategy != 'fsdp'",
+        FULL_TUNING_FSDP_MESSAGE,
+        fieldPath=".tuning",
+    ),
+    _cel(
+        "!has(self.sync) || self.sync != 'merged' || ((!has(self.tuning) || self.tuning == 'lora') && "
+        "(!has(self.lora) || !has(self.lora.quantizeBase) || !self.lora.quantizeBase))",
+        MERGED_SYNC_MESSAGE,
+        fieldPath=".sync",
+    ),
+    _cel(
+        "!has(self.sync) || self.sync != 'merged' || !has(self.strategy) || self.strategy != 'fsdp'",
+        MERGED_SYNC_FSDP_MESSAGE,
+        fieldPath=".sync",
     ),
 ]
 

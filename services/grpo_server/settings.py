@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_api.models import ServerSpec
+from grpo_api.models import GRPORunSpec, Mode, ServerSpec, WeightTransfer
 from grpo_api.runconfig import RunConfig
 
 #: Largest request body accepted; more is answered 413. Overridable for very large token-id batches.
@@ -18,6 +18,8 @@ ENV_ALLOW_CHAT_TEMPLATES = "GRPO_SERVER_ALLOW_CHAT_TEMPLATES"
 DEFAULT_HOST = "127.0.0.1"
 #: How long SIGTERM waits for in-flight requests before closing them.
 GRACEFUL_SHUTDOWN_SECONDS = 20
+#: What `server.weightTransfer: auto` becomes: `grpo run` sets ipc (server and trainer share the GPU); unset, nccl.
+ENV_WEIGHT_TRANSFER = "GRPO_WEIGHT_TRANSFER"
 #: How long a second adapter trigger waits for the first before it is refused.
 TRIGGER_WAIT_SECONDS = 120.0
 
@@ -36,10 +38,26 @@ class ServerSettings:
     max_body_bytes: int
     run_name: str
     allow_chat_templates: bool = False
+    #: vLLM's weight-transfer backend (ipc, nccl) for a full fine-tuning run; None: weight updates are off.
+    weight_transfer: str | None = None
 
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve_weight_transfer(spec: GRPORunSpec, auto: str | None) -> str | None:
+    """The backend the vllm engine is configured with: none unless the trainer pushes weights (server
+    mode, trainer.tuning full or sync merged); `auto` takes ${ENV_WEIGHT_TRANSFER} (ipc or nccl), else nccl."""
+    if spec.mode != Mode.SERVER or not spec.trainer.pushes_weights:
+        return None
+    chosen = spec.effective_server.weight_transfer
+    if chosen != WeightTransfer.AUTO:
+        return str(chosen)
+    value = (auto or "").strip().lower() or str(WeightTransfer.NCCL)
+    if value not in (WeightTransfer.IPC, WeightTransfer.NCCL):
+        raise ValueError(f"${ENV_WEIGHT_TRANSFER}={auto!r} must be ipc or nccl")
+    return value
 
 
 def settings_from_config(
@@ -75,4 +93,5 @@ def settings_from_config(
         allow_chat_templates=(
             env_flag(ENV_ALLOW_CHAT_TEMPLATES) if allow_chat_templates is None else allow_chat_templates
         ),
+        weight_transfer=resolve_weight_transfer(config.spec, os.environ.get(ENV_WEIGHT_TRANSFER)),
     )

@@ -1,9 +1,10 @@
 """HTTP client of the generation server (httpx, explicit timeouts, bounded retries).
 
-Speaks the project's protocol (`grpo_api.protocol`): `/health/`, `/set_lora_adapter/`
-and the OpenAI-shaped `/v1/completions` with token-id prompts. Every generation
-answer carries the server's boot id and the adapter version that produced it, so
-the caller can refuse a batch from the wrong policy.
+Speaks the project's protocol (`grpo_api.protocol`): `/health/`, `/set_lora_adapter/`,
+vLLM's weight-transfer routes (`grpo_api.weight_transfer`) and the OpenAI-shaped
+`/v1/completions` with token-id prompts. Every generation answer carries the server's
+boot id and the adapter and weights versions that produced it, so the caller can refuse
+a batch from the wrong policy.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from grpo_api.protocol import (
     SetAdapterRequest,
     SetAdapterResponse,
 )
+from grpo_api.weight_transfer import WEIGHTS_VERSION_HEADER, WeightTransferResponse
 from grpo_trainer.errors import ServerUnavailable, TrainingFailed
 
 #: Seconds to wait between retries: doubles from the first value up to the cap.
@@ -48,6 +50,8 @@ class Completions:
     boot_id: str
     adapter_version: int | None
     seconds: float
+    #: The pushed weights that generated it (full fine-tuning); 0 or None: the weights read from disk.
+    weights_version: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -57,8 +61,8 @@ class Completions:
 class AdapterRefused(TrainingFailed):
     """The server answered the load trigger with a 4xx: retrying the same request cannot help."""
 
-    def __init__(self, status: int, error: str, message: str) -> None:
-        super().__init__(f"server refused the adapter ({status} {error}): {message}")
+    def __init__(self, status: int, error: str, message: str, *, what: str = "the adapter") -> None:
+        super().__init__(f"server refused {what} ({status} {error}): {message}")
         self.status = status
         self.error = error
 
@@ -146,6 +150,23 @@ class ServerClient:
         response.raise_for_status()
         return SetAdapterResponse.model_validate_json(response.content)
 
+    # ---------------------------------------------------------------------------------- weight transfer
+
+    def weight_transfer(self, route: str, body: dict[str, Any], *, timeout: float | None = None
+                        ) -> WeightTransferResponse:
+        """POST one of vLLM's weight-transfer routes (`init_weight_transfer_engine`, `start_weight_update`,
+        `update_weights`, `finish_weight_update`) once. 4xx: AdapterRefused naming the weights; transport
+        errors and 5xx: httpx errors."""
+        response = self._http.post(
+            f"/{route}", json=body,
+            timeout=_timeout(timeout if timeout is not None else max(CONTROL_TIMEOUT_SECONDS, self.generation_timeout)),
+        )
+        if 400 <= response.status_code < 500:
+            error, message = _error_text(response)
+            raise AdapterRefused(response.status_code, error, message, what=f"the weights ({route})")
+        response.raise_for_status()
+        return WeightTransferResponse.model_validate_json(response.content)
+
     # -------------------------------------------------------------------------------------- generation
 
     def completions(
@@ -223,4 +244,5 @@ class ServerClient:
             boot_id=boot_id,
             adapter_version=_optional_int(version_raw),
             seconds=seconds,
+            weights_version=_optional_int(response.headers.get(WEIGHTS_VERSION_HEADER)),
         )

@@ -30,7 +30,7 @@ from grpo_trainer.errors import TrainingFailed
 from grpo_trainer.metrics import DiscardReason, TrainerMetrics
 from grpo_trainer.publish import AdapterStore
 from grpo_trainer.replicas import ServerPool
-from grpo_trainer.sync import AdapterSync
+from grpo_trainer.sync import PolicySync
 
 #: Times one batch may be discarded and generated again before the run fails.
 MAX_REGENERATIONS = 4
@@ -178,8 +178,8 @@ class GenerationBackend:
     def __init__(
         self,
         pool: ServerPool,
-        sync: AdapterSync,
-        store: AdapterStore,
+        sync: PolicySync[Any, Any],
+        store: AdapterStore | None,
         metrics: TrainerMetrics,
         *,
         model_name: str,
@@ -230,7 +230,8 @@ class GenerationBackend:
         """Why this answer must not reach the loss, or None if it may (a restarted replica's answers were
         thrown away by the pool already)."""
         latest = self.sync.active.version if self.sync.active is not None else None
-        if result.adapter_version is not None and (latest is None or result.adapter_version > latest):
+        version = self.sync.version_of(result)
+        if version is not None and (latest is None or version > latest):
             return "unknown_adapter"
         staleness = self.staleness_of(result)
         if staleness is None or not self.bound.accepts(staleness):
@@ -238,8 +239,9 @@ class GenerationBackend:
         return None
 
     def staleness_of(self, result: Completions) -> int | None:
-        """Steps between the adapter that generated the batch and the step training on it."""
-        adapter_step = 0 if result.adapter_version is None else self.store.step_of(result.adapter_version)
+        """Steps between the policy version that generated the batch and the step training on it."""
+        version = self.sync.version_of(result)
+        adapter_step = 0 if version is None else self.sync.step_of(version)
         if adapter_step is None:
             return None
         return self.current_step() - adapter_step
@@ -255,8 +257,8 @@ class GenerationBackend:
                 return result
             self.metrics.discarded_batches.labels(reason).inc()
             self._log(
-                f"discarded a generated batch ({reason}: boot {result.boot_id}, adapter "
-                f"v{result.adapter_version}, step {self.current_step()})"
+                f"discarded a generated batch ({reason}: boot {result.boot_id}, {self.sync.kind} "
+                f"v{self.sync.version_of(result)}, step {self.current_step()})"
             )
             fresh = True
         raise TrainingFailed(
@@ -271,7 +273,8 @@ class GenerationBackend:
             self.metrics.staleness_steps.observe(staleness)
             self.metrics.staleness_versions.observe(self.bound.versions(staleness))
         self._log(
-            f"generated {result.num_tokens} tokens in {result.seconds:.2f}s (adapter v{result.adapter_version}, "
+            f"generated {result.num_tokens} tokens in {result.seconds:.2f}s ({self.sync.kind} "
+            f"v{self.sync.version_of(result)}, "
             f"staleness {staleness})"
         )
         self.metrics.generation_seconds.observe(result.seconds)

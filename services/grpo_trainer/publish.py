@@ -47,6 +47,10 @@ class PublishedAdapter:
     #: Seconds per phase: save (write + hash + fsync of the files), manifest, fsync (tree), rename.
     phases: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def label(self) -> str:
+        return f"adapter v{self.version} ({self.path})"
+
 
 def check_servable(adapter_dir: Path) -> None:
     """Refuse an adapter vLLM cannot serve as plain LoRA (DoRA, bias, modules_to_save, lm_head/embeddings)."""

@@ -4,8 +4,10 @@
   Service (only Ready pods are listed), looked up again whenever the pool needs a replica; `grpo run`
   hands the addresses of the processes it started. A replica that appears later is checked (same
   base model) before it gets any work.
-- **Every replica serves the policy.** An adapter version is loaded on every replica the pool can
-  reach, each load confirmed by the replica's `/health/` on the same boot. A replica that missed a
+- **Every replica serves the policy.** A policy version (an adapter loaded from the shared volume, or,
+  with full fine-tuning, whole weights pushed by vLLM's weight transfer: the pool's `loader`) is made
+  active on every replica the pool can reach, each load confirmed by the replica's `/health/` on the
+  same boot. A replica that missed a
   version (unreachable, restarted, newly found) gets no work until it has caught up: before its next
   batch the current version is loaded on it. A restarted replica is one whose answers carry a new
   boot id; its batch is thrown away and generated again.
@@ -26,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -49,6 +51,35 @@ HEDGE_FACTOR = 2.0
 HEDGE_FLOOR_SECONDS = 5.0
 
 Discover = Callable[[], list[str]]
+
+
+class PolicyTarget(Protocol):
+    """A policy version the replicas should serve."""
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def label(self) -> str:
+        """How messages name it, e.g. `adapter v3 (/adapters/v3)`."""
+        ...
+
+
+class PolicyLoader(Protocol):
+    """How a policy version is made active on one replica, and read back from its `/health/`."""
+
+    #: What messages call the policy's versions ("adapter", "weights").
+    kind: str
+
+    def served(self, health: HealthResponse) -> int | None:
+        """The policy version a replica's `/health/` reports (None: the weights it started with)."""
+        ...
+
+    def load(self, client: ServerClient, target: Any) -> str:
+        """Make `target` active on the replica and confirm it by `/health/` on the same boot; the boot id.
+
+        Raises AdapterRefused (the server refused it), Unconfirmed, or httpx errors."""
+        ...
 
 
 def dns_discovery(name: str, port: int) -> Discover:
@@ -95,7 +126,7 @@ class Replica:
     client: ServerClient
     #: Boot id of the server behind the address, as last seen; None before the first answer.
     boot_id: str | None = None
-    #: The adapter version confirmed active on boot_id (None: the base model).
+    #: The policy version confirmed active on boot_id (None: the weights it started with).
     version: int | None = None
     #: Confirmed on this boot (health checked: same base model, adapter as recorded).
     checked: bool = False
@@ -108,11 +139,11 @@ class _Restarted(Exception):
     pass
 
 
-class _Unconfirmed(Exception):
+class Unconfirmed(Exception):
     """The server did not (yet) report the version just loaded."""
 
 
-class _Unreachable(_Unconfirmed):
+class _Unreachable(Unconfirmed):
     """No connection: once another replica has the version, this one is not waited for."""
 
 
@@ -129,8 +160,10 @@ class ServerPool:
         generation_timeout: float,
         metrics: TrainerMetrics,
         log: Callable[[str], None] = print,
+        loader: PolicyLoader | None = None,
     ) -> None:
         self.discover = discover
+        self.loader: PolicyLoader = loader if loader is not None else AdapterLoader()
         self.expected = max(1, expected)
         #: How the replicas are found, for messages (a DNS name, or the addresses).
         self.base_url = describe
@@ -138,8 +171,8 @@ class ServerPool:
         self.generation_timeout = generation_timeout
         self.metrics = metrics
         self.fingerprint: str | None = None
-        #: The adapter every replica should serve (None: the base model).
-        self.target: PublishedAdapter | None = None
+        #: The policy version every replica should serve (None: the weights they started with).
+        self.target: Any = None
         self.replicas: dict[str, Replica] = {}
         #: Boot ids of replicas that left discovery (a pod replaced comes back at another address).
         self._departed: list[str] = []
@@ -194,7 +227,7 @@ class ServerPool:
                 for url, health in answers:
                     replica = self.replicas[url]
                     replica.boot_id, replica.checked = health.boot_id, True
-                    replica.version = health.adapter.version if health.adapter else None
+                    replica.version = self.loader.served(health)
                 self._started = True
                 return answers
             remaining = deadline - time.monotonic()
@@ -209,8 +242,8 @@ class ServerPool:
 
     # -------------------------------------------------------------------------------------- adapters
 
-    def activate(self, adapter: PublishedAdapter, retry_seconds: float) -> int:
-        """Load the version on every replica; the rounds of load triggers it took.
+    def activate(self, adapter: PolicyTarget, retry_seconds: float) -> int:
+        """Make the version active on every replica; the rounds of load triggers (or pushes) it took.
 
         Retries (backoff) until every replica confirmed it, or until LAGGARD_SECONDS after the first did
         (the rest catch up before their next batch; one that cannot be connected to is not waited for once
@@ -263,50 +296,43 @@ class ServerPool:
         if rounds > 1 or time.monotonic() - started > SLOW_SYNC_SECONDS:
             each = ", ".join(f"{url} {seconds:.1f}s" for url, seconds in took.items())
             why = "; ".join(f"{url}: {e[:200]}" for url, e in retried_after.items())
-            self._log(f"adapter v{adapter.version}: confirmed by {len(confirmed)} replica(s) in "
+            self._log(f"{self.loader.kind} v{adapter.version}: confirmed by {len(confirmed)} replica(s) in "
                       f"{time.monotonic() - started:.1f}s, {rounds} round(s) ({each})"
                       + (f"; retried after {why}" if why else ""))
         behind = [r for r in self.replicas.values() if r not in confirmed and r.url in errors]
         for replica in behind:
-            replica.trouble = f"missed adapter v{adapter.version}: {errors.get(replica.url, 'unconfirmed')}"
+            replica.trouble = (f"missed {self.loader.kind} v{adapter.version}: "
+                               f"{errors.get(replica.url, 'unconfirmed')}")
             self._log(f"server replica {replica.url} {replica.trouble}; it catches up before its next batch")
         return rounds
 
-    def _sync_failure(self, adapter: PublishedAdapter, errors: dict[str, str]) -> str:
+    def _sync_failure(self, adapter: PolicyTarget, errors: dict[str, str]) -> str:
         detail = "; ".join(f"{url}: {e}" for url, e in errors.items()) if len(self.replicas) > 1 \
             else next(iter(errors.values()), "no replica found")
         return (
-            f"adapter v{adapter.version} ({adapter.path}) could not be made active on {self.base_url}: {detail}. "
+            f"{adapter.label} could not be made active on {self.base_url}: {detail}. "
             "Training stops rather than continue against a server with a stale policy."
         )
 
-    def _load(self, replica: Replica, adapter: PublishedAdapter) -> Exception | None:
-        """One load trigger on one replica, confirmed by its /health/; the error, or None when confirmed."""
-        request = SetAdapterRequest(path=str(adapter.path), version=adapter.version, sha256=adapter.sha256)
+    def _load(self, replica: Replica, adapter: PolicyTarget) -> Exception | None:
+        """One load trigger (or push) on one replica, confirmed by its /health/; the error, or None when
+        confirmed."""
         with replica.lock:
             try:
                 if replica.version is not None and replica.version >= adapter.version and replica.checked:
                     return None  # caught up already (by another thread)
-                response = replica.client.set_adapter(request)
-                if response.adapter.version != adapter.version:
-                    raise _Unconfirmed(f"load trigger answered version {response.adapter.version}")
-                health = replica.client.health()
-                if health.boot_id != response.boot_id:
-                    raise _Unconfirmed(f"server restarted during the load (boot {health.boot_id})")
-                if health.adapter is None or health.adapter.version != adapter.version:
-                    shown = health.adapter.version if health.adapter else None
-                    raise _Unconfirmed(f"/health/ reports adapter version {shown}")
+                boot_id = self.loader.load(replica.client, adapter)
             except AdapterRefused as exc:
                 self.metrics.sync_failures.labels(exc.error).inc()
                 return exc
             except httpx.TransportError as exc:
                 self.metrics.sync_failures.labels("unreachable").inc()
                 return _Unreachable(f"{type(exc).__name__}: {exc}")
-            except (httpx.HTTPError, _Unconfirmed) as exc:
-                reason = "unconfirmed" if isinstance(exc, _Unconfirmed) else "unreachable"
+            except (httpx.HTTPError, Unconfirmed) as exc:
+                reason = "unconfirmed" if isinstance(exc, Unconfirmed) else "unreachable"
                 self.metrics.sync_failures.labels(reason).inc()
-                return _Unconfirmed(f"{type(exc).__name__}: {exc}")
-            self._note_boot(replica, response.boot_id)
+                return Unconfirmed(f"{type(exc).__name__}: {exc}")
+            self._note_boot(replica, boot_id)
             replica.version, replica.checked, replica.trouble = adapter.version, True, ""
             return None
 
@@ -345,7 +371,7 @@ class ServerPool:
         if replica.boot_id is None and self._started:
             self._joined(replica, health.boot_id)
         self._note_boot(replica, health.boot_id)
-        replica.version = health.adapter.version if health.adapter else None
+        replica.version = self.loader.served(health)
         replica.checked = True
         return True
 
@@ -358,16 +384,17 @@ class ServerPool:
             if replica.version is None:
                 replica.trouble = ""
                 return True
-            replica.trouble = f"already serves adapter v{replica.version} before the trainer published one"
+            replica.trouble = (f"already serves {self.loader.kind} v{replica.version} before the trainer "
+                               "published one")
             return False
         if replica.version == target.version:
             replica.trouble = ""
             return True
         error = self._load(replica, target)
         if error is None:
-            self._log(f"server replica {replica.url} caught up to adapter v{target.version}")
+            self._log(f"server replica {replica.url} caught up to {self.loader.kind} v{target.version}")
             return True
-        replica.trouble = f"could not load adapter v{target.version}: {error}"
+        replica.trouble = f"could not load {self.loader.kind} v{target.version}: {error}"
         return False
 
     def server_info(self) -> dict[str, Any]:
@@ -416,13 +443,16 @@ class ServerPool:
     @staticmethod
     def _merge(answers: list[Completions], started: float) -> Completions:
         """The groups' answers in prompt order; the batch counts as generated by its oldest policy."""
-        versions = [a.adapter_version for a in answers]
+        def oldest(versions: list[int | None]) -> int | None:
+            return None if None in versions else min(v for v in versions if v is not None)
+
         return Completions(
             completion_ids=[ids for a in answers for ids in a.completion_ids],
             logprobs=[lp for a in answers for lp in a.logprobs],
             boot_id="",
-            adapter_version=None if None in versions else min(v for v in versions if v is not None),
+            adapter_version=oldest([a.adapter_version for a in answers]),
             seconds=time.monotonic() - started,
+            weights_version=oldest([a.weights_version or None for a in answers]),
         )
 
     def _checked(
@@ -525,3 +555,30 @@ class ServerPool:
                       f"also sent to {helper.url}")
             hedged.add(group)
             send(group, helper)
+
+
+class AdapterLoader:
+    """LoRA: the replica loads the published version from the shared volume (`/set_lora_adapter/`)."""
+
+    kind = "adapter"
+
+    def served(self, health: HealthResponse) -> int | None:
+        return health.adapter.version if health.adapter else None
+
+    def load(self, client: ServerClient, target: PublishedAdapter) -> str:
+        request = SetAdapterRequest(path=str(target.path), version=target.version, sha256=target.sha256)
+        response = client.set_adapter(request)
+        if response.adapter.version != target.version:
+            raise Unconfirmed(f"load trigger answered version {response.adapter.version}")
+        confirm(client, response.boot_id, target.version, self)
+        return response.boot_id
+
+
+def confirm(client: ServerClient, boot_id: str, version: int, loader: PolicyLoader) -> None:
+    """The replica's `/health/`, on the boot that answered the load, reports `version`."""
+    health = client.health()
+    if health.boot_id != boot_id:
+        raise Unconfirmed(f"server restarted during the load (boot {health.boot_id})")
+    shown = loader.served(health)
+    if shown != version:
+        raise Unconfirmed(f"/health/ reports {loader.kind} version {shown}")

@@ -29,7 +29,8 @@ from grpo_trainer.launch import launch, needs_launch, rank, report_exit, world_s
 from grpo_trainer.metrics import TrainerMetrics, metrics_port
 from grpo_trainer.publish import AdapterStore
 from grpo_trainer.replicas import ServerPool, dns_discovery, static_discovery
-from grpo_trainer.sync import AdapterSync
+from grpo_trainer.sync import AdapterSync, PolicySync
+from grpo_trainer.weights import MergedSync, WeightLoader, WeightSync
 
 log: Callable[[str], None] = functools.partial(print, flush=True)
 
@@ -43,7 +44,9 @@ def attempt_from_env() -> int:
 
 
 def server_pool(cfg: RunConfig, *, token: str | None, metrics: TrainerMetrics) -> ServerPool:
-    """The run's server replicas: a headless Service's addresses, the local processes, or server_url."""
+    """The run's server replicas: a headless Service's addresses, the local processes, or server_url.
+
+    With trainer.tuning full a version reaches a replica as pushed weights, not as an adapter."""
     endpoints = cfg.server_endpoints
     timeout = cfg.spec.trainer.generation_timeout_seconds
     if endpoints is not None and endpoints.dns_name:
@@ -54,7 +57,8 @@ def server_pool(cfg: RunConfig, *, token: str | None, metrics: TrainerMetrics) -
     else:
         discover, describe = static_discovery([cfg.server_url]), cfg.server_url
     return ServerPool(discover, expected=endpoints.replicas if endpoints else 1, describe=describe, token=token,
-                      generation_timeout=timeout, metrics=metrics, log=log)
+                      generation_timeout=timeout, metrics=metrics, log=log,
+                      loader=WeightLoader() if cfg.spec.trainer.pushes_weights else None)
 
 
 def handshake(pool: ServerPool, *, fingerprint: str, model_dir: Path, resuming: bool,
@@ -69,11 +73,12 @@ def handshake(pool: ServerPool, *, fingerprint: str, model_dir: Path, resuming: 
                 f"{fingerprint}. Training against a different base model would silently corrupt the run; point "
                 "both at the same model."
             )
-        if health.adapter is not None and not resuming:
+        if not resuming and (health.adapter is not None or health.weights_version):
+            serves = (f"adapter v{health.adapter.version} ({health.adapter.path})" if health.adapter is not None
+                      else f"pushed weights v{health.weights_version}")
             raise ServerMismatch(
-                f"server {url} (boot {health.boot_id}) already has adapter v{health.adapter.version} "
-                f"({health.adapter.path}) active, but this attempt starts from step 0 with no checkpoint: it "
-                "needs a fresh server"
+                f"server {url} (boot {health.boot_id}) already has {serves} active, but this attempt starts "
+                "from step 0 with no checkpoint: it needs a fresh server"
             )
     pool.fingerprint = fingerprint
     return answers[0][1]
@@ -131,11 +136,17 @@ def run_training(cfg: RunConfig, *, attempt: int) -> TrainingProgress:
         health = handshake(pool, fingerprint=fingerprint, model_dir=model_dir, resuming=resume is not None,
                            timeout=t.generation_timeout_seconds)
         versions = [r.version for r in pool.replicas.values() if r.version is not None]
-        if versions:
+        if versions and not t.pushes_weights:  # adapter versions continue from those a resumed server holds
             store.floor = max(versions)
         log(f"server {pool.base_url} ok: {len(pool.replicas)} replica(s), model {health.model}, boot "
             f"{', '.join(str(r.boot_id) for r in pool.replicas.values())}, engine {health.engine}")
-    sync = AdapterSync(store, pool, metrics, retry_seconds=t.generation_timeout_seconds)
+    sync: PolicySync[Any, Any]
+    if t.full:
+        sync = WeightSync(pool, metrics, retry_seconds=t.generation_timeout_seconds)
+    elif t.pushes_weights and server_mode:  # sync merged (colocate: TRL merges into its own vLLM anyway)
+        sync = MergedSync(pool, store, metrics, retry_seconds=t.generation_timeout_seconds)
+    else:
+        sync = AdapterSync(store, pool, metrics, retry_seconds=t.generation_timeout_seconds)
     try:
         return _train(cfg, attempt=attempt, model_dir=model_dir, resume=resume, metrics=metrics, store=store,
                       sync=sync, pool=pool, health=health)
@@ -153,7 +164,7 @@ def _train(
     resume: Path | None,
     metrics: TrainerMetrics,
     store: AdapterStore,
-    sync: AdapterSync,
+    sync: PolicySync[Any, Any],
     pool: ServerPool | None,
     health: HealthResponse | None,
 ) -> TrainingProgress:
@@ -207,7 +218,8 @@ def _train(
         "args": args,
         "train_dataset": dataset,
         "processing_class": tokenizer,
-        "peft_config": LoraConfig(**lora_config_kwargs(t.lora)),
+        # tuning full: no adapter, every weight trains
+        "peft_config": None if t.full else LoraConfig(**lora_config_kwargs(t.lora)),
         "callbacks": [SessionCallback(session)],
     }
     backend: GenerationBackend | None = None
@@ -255,7 +267,7 @@ def _train(
             backend.close()
     progress = session.finish()
     if main:
-        log(f"done: step {progress.step}/{progress.max_steps}, adapter v{progress.adapter_version}")
+        log(f"done: step {progress.step}/{progress.max_steps}, {sync.kind} v{progress.adapter_version}")
     return progress
 
 

@@ -1,4 +1,4 @@
-"""The run's state while TRL trains: adapter sync, progress, metrics, checkpoint markers.
+"""The run's state while TRL trains: policy sync (an adapter, or whole weights), progress, metrics, checkpoints.
 
 `SessionCallback` is a thin Hugging Face TrainerCallback; the decisions live in
 `TrainingSession` so they read in one place:
@@ -33,20 +33,19 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from grpo_api.adapters import read_manifest
 from grpo_api.protocol import TrainingProgress
-from grpo_trainer.adapter_io import ADAPTER_WEIGHTS, AdapterSnapshot, peft_adapter, snapshot_peft_adapter
+from grpo_trainer.adapter_io import peft_adapter
 from grpo_trainer.checkpoints import mark_complete
 from grpo_trainer.metrics import TrainerMetrics
 from grpo_trainer.progress import append_history, now, write_progress
-from grpo_trainer.sync import AdapterSync, SyncResult
+from grpo_trainer.sync import PolicySync, SyncOutcome
 
 
 class TrainingSession:
     def __init__(
         self,
         *,
-        sync: AdapterSync,
+        sync: PolicySync[Any, Any],
         metrics: TrainerMetrics,
         progress_file: Path,
         max_steps: int,
@@ -68,7 +67,7 @@ class TrainingSession:
         self.attempt = attempt
         self.publish_dtype = publish_dtype
         self.trainer: Any = None
-        self.last_sync: SyncResult | None = None
+        self.last_sync: SyncOutcome | None = None
         self.staleness: Callable[[], int | None] = lambda: None
         self._log = log
         self._clock = clock
@@ -84,9 +83,9 @@ class TrainingSession:
 
     # ------------------------------------------------------------------------------------------ adapters
 
-    def snapshot(self) -> AdapterSnapshot:
-        """The served adapter's files as of now, in the serving dtype."""
-        return snapshot_peft_adapter(self._model(), dtype=self.publish_dtype)
+    def snapshot(self) -> Any:
+        """The served policy as of now, in the serving dtype (the adapter's bytes, or the weights)."""
+        return self.sync.take(self._model(), self.publish_dtype)
 
     def join_gather(self) -> None:
         """On a rank other than 0 of a sharded policy (FSDP): take part in gathering the adapter's shards (a
@@ -97,29 +96,24 @@ class TrainingSession:
     def _model(self) -> Any:
         return self.trainer.accelerator.unwrap_model(self.trainer.model)
 
-    def publish(self, step: int, reason: str) -> SyncResult:
-        """Publish the current adapter and make it active before returning."""
-        result = self.sync.sync(self.snapshot().write, step)
+    def publish(self, step: int, reason: str) -> SyncOutcome:
+        """Publish the current policy and make it active before returning."""
+        result = self.sync.sync(self.snapshot(), step)
         self._published(result, step, reason)
         return result
 
     def publish_in_background(self, step: int, reason: str) -> None:
-        """Take the adapter's bytes now; publish and activate them while training goes on."""
+        """Take the policy's state now; publish and activate it while training goes on."""
         started = time.monotonic()
         snapshot = self.snapshot()
         taken = time.monotonic() - started
         self.metrics.sync_snapshot_seconds.observe(taken)
         note = f"in the background after a {taken * 1000:.0f} ms snapshot"
-        self.sync.start(snapshot.write, step, done=lambda result: self._published(result, step, reason, note))
+        self.sync.start(snapshot, step, done=lambda result: self._published(result, step, reason, note))
 
-    def _published(self, result: SyncResult, step: int, reason: str, note: str = "blocking") -> None:
+    def _published(self, result: SyncOutcome, step: int, reason: str, note: str = "blocking") -> None:
         self.last_sync = result
-        adapter = result.adapter
-        weights = read_manifest(adapter.path).files.get(ADAPTER_WEIGHTS, "?")
-        self._log(
-            f"published adapter v{adapter.version} (step {step}, {reason}): {adapter.size_bytes} bytes, "
-            f"{result.seconds:.2f}s {note}, weights sha256 {weights}"
-        )
+        self._log(self.sync.describe(result, step, reason, note))
         self.write_progress(step, done=False)
 
     # ------------------------------------------------------------------------------------------- events
@@ -160,7 +154,7 @@ class TrainingSession:
         staleness = self.staleness()
         self._log(
             f"step {state.global_step}/{self.max_steps} reward {_fmt(reward)} std {_fmt(std)} "
-            f"loss {_fmt(_number(logs.get('loss')))} adapter v{version} staleness {staleness} "
+            f"loss {_fmt(_number(logs.get('loss')))} {self.sync.kind} v{version} staleness {staleness} "
             f"attempt {self.attempt}"
         )
 
@@ -178,6 +172,10 @@ class TrainingSession:
 
     def on_train_end(self) -> None:
         self.sync.wait()
+        if self.main and self.trainer is not None:
+            note = self.sync.publish_final(self._model(), self.publish_dtype, self.current_step())
+            if note:
+                self._log(note)
 
     def write_progress(self, step: int, *, done: bool) -> TrainingProgress:
         """The progress record; rank 0 writes it to the progress file."""

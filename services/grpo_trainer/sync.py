@@ -1,4 +1,9 @@
-"""LoRA sync: publish a version, make the server load it, confirm it, prune one sync late.
+"""Policy sync: publish a version, make the server serve it, confirm it.
+
+`PolicySync` holds what every kind shares: one sync at a time, in the background, in order, its
+failure raised at the next point that depends on it. `AdapterSync` (LoRA) publishes an adapter
+version to the shared volume, makes the server load it and prunes one sync late;
+`weights.WeightSync` (full fine-tuning) pushes the whole policy with vLLM's weight transfer.
 
 A version counts as synced only when the load trigger answered with it AND
 `/health/` reports it active on the same boot, on every replica the pool reaches
@@ -21,10 +26,32 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar
 
+from grpo_api.adapters import read_manifest
+from grpo_trainer.adapter_io import ADAPTER_WEIGHTS, snapshot_peft_adapter
+from grpo_trainer.client import Completions
 from grpo_trainer.metrics import TrainerMetrics
 from grpo_trainer.publish import AdapterStore, PublishedAdapter
 from grpo_trainer.replicas import ServerPool
+
+
+class Versioned(Protocol):
+    @property
+    def version(self) -> int: ...
+
+
+class SyncOutcome(Protocol):
+    """What a sync reports: the version made active, how long it took, the rounds of triggers it used."""
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def seconds(self) -> float: ...
+
+    @property
+    def attempts(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -33,47 +60,74 @@ class SyncResult:
     seconds: float
     attempts: int
 
+    @property
+    def version(self) -> int:
+        return self.adapter.version
 
-class AdapterSync:
-    """Owns the active adapter: the version the server's replicas serve (the pool tracks each one)."""
 
-    def __init__(
-        self,
-        store: AdapterStore,
-        pool: ServerPool | None,
-        metrics: TrainerMetrics,
-        *,
-        retry_seconds: float,
-    ) -> None:
-        self.store = store
-        self.pool = pool
+Payload = TypeVar("Payload")
+Result = TypeVar("Result", bound=SyncOutcome)
+
+
+class PolicySync(Generic[Payload, Result]):
+    """One sync at a time, in order, in the background or not; `active` is the version the server serves.
+
+    A subclass says what a payload is (`take`: the policy's state as of now, independent of the
+    still-training model), how a version is published and made active (`_sync`), and how versions map to
+    steps and to the answers of the server.
+    """
+
+    #: What messages call the versions ("adapter", "weights").
+    kind = "policy"
+
+    def __init__(self, metrics: TrainerMetrics) -> None:
         self.metrics = metrics
-        self.retry_seconds = retry_seconds
-        self.active: PublishedAdapter | None = None
+        self.active: Versioned | None = None
         # Starts its one thread at the first background sync.
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpo-sync")
-        self._pending: concurrent.futures.Future[SyncResult] | None = None
+        self._pending: concurrent.futures.Future[Result] | None = None
 
-    def sync(self, save: Callable[[Path], Mapping[str, str] | None], step: int) -> SyncResult:
-        """Publish the adapter saved by `save` as a new version and make it active on the server."""
+    # ------------------------------------------------------------------------------- what subclasses say
+
+    def take(self, model: Any, dtype: str) -> Payload:
+        """The policy's state now, in the serving dtype, safe to publish while the model trains on."""
+        raise NotImplementedError
+
+    def _sync(self, payload: Payload, step: int) -> Result:
+        raise NotImplementedError
+
+    def step_of(self, version: int) -> int | None:
+        """The optimizer step a version was taken at (None: not known here)."""
+        raise NotImplementedError
+
+    def version_of(self, result: Completions) -> int | None:
+        """The version that generated an answer (None: the weights the server started with)."""
+        raise NotImplementedError
+
+    def describe(self, result: Result, step: int, reason: str, note: str) -> str:
+        """The log line of a finished sync (`note`: how it ran, blocking or in the background)."""
+        raise NotImplementedError
+
+    def publish_final(self, model: Any, dtype: str, step: int) -> str | None:
+        """At the end of training, publish what the sync did not (a log line), or None."""
+        return None
+
+    # ---------------------------------------------------------------------------------------- shared
+
+    def sync(self, payload: Payload, step: int) -> Result:
+        """Publish `payload` as a new version and make it active on the server."""
         self.wait()
-        return self._sync(save, step)
+        return self._sync(payload, step)
 
-    def start(
-        self,
-        save: Callable[[Path], Mapping[str, str] | None],
-        step: int,
-        done: Callable[[SyncResult], None] = lambda result: None,
-    ) -> None:
-        """Run `sync(save, step)` in the background, then `done(result)` there.
+    def start(self, payload: Payload, step: int, done: Callable[[Result], None] = lambda result: None) -> None:
+        """Run `sync(payload, step)` in the background, then `done(result)` there.
 
-        `save` must not read the model (it trains on): pass a snapshot's `write`. Waits for the
-        previous background sync first (raising its failure), so versions activate in order.
+        Waits for the previous background sync first (raising its failure), so versions activate in order.
         """
         self.wait()
-        self._pending = self._pool.submit(self._sync_then, save, step, done)
+        self._pending = self._pool.submit(self._sync_then, payload, step, done)
 
-    def wait(self) -> SyncResult | None:
+    def wait(self) -> Result | None:
         """Block until the background sync is done; its result, or None if none was started.
 
         A failed sync raises here every time: the run must not go on past it.
@@ -92,14 +146,54 @@ class AdapterSync:
         """Let a background sync finish (its files complete or removed); never raises its failure."""
         self._pool.shutdown(wait=True)
 
-    def _sync_then(
-        self, save: Callable[[Path], Mapping[str, str] | None], step: int, done: Callable[[SyncResult], None]
-    ) -> SyncResult:
-        result = self._sync(save, step)
+    def _sync_then(self, payload: Payload, step: int, done: Callable[[Result], None]) -> Result:
+        result = self._sync(payload, step)
         done(result)
         return result
 
-    def _sync(self, save: Callable[[Path], Mapping[str, str] | None], step: int) -> SyncResult:
+
+#: What AdapterSync publishes: a function writing the adapter's files into a directory (a snapshot's `write`).
+SaveAdapter = Callable[[Path], Mapping[str, str] | None]
+
+
+class AdapterSync(PolicySync[SaveAdapter, SyncResult]):
+    """LoRA: owns the active adapter, the version the server's replicas serve (the pool tracks each one).
+
+    A payload (`save`) must not read the model, which trains on: pass a snapshot's `write`.
+    """
+
+    kind = "adapter"
+
+    def __init__(
+        self,
+        store: AdapterStore,
+        pool: ServerPool | None,
+        metrics: TrainerMetrics,
+        *,
+        retry_seconds: float,
+    ) -> None:
+        super().__init__(metrics)
+        self.store = store
+        self.pool = pool
+        self.retry_seconds = retry_seconds
+        self.active: PublishedAdapter | None = None
+
+    def take(self, model: Any, dtype: str) -> SaveAdapter:
+        return snapshot_peft_adapter(model, dtype=dtype).write
+
+    def step_of(self, version: int) -> int | None:
+        return self.store.step_of(version)
+
+    def version_of(self, result: Completions) -> int | None:
+        return result.adapter_version
+
+    def describe(self, result: SyncResult, step: int, reason: str, note: str) -> str:
+        adapter = result.adapter
+        weights = read_manifest(adapter.path).files.get(ADAPTER_WEIGHTS, "?")
+        return (f"published adapter v{adapter.version} (step {step}, {reason}): {adapter.size_bytes} bytes, "
+                f"{result.seconds:.2f}s {note}, weights sha256 {weights}")
+
+    def _sync(self, save: SaveAdapter, step: int) -> SyncResult:
         started = time.monotonic()
         adapter = self.store.publish(save, step)
         attempts = self.activate(adapter) if self.pool is not None else 0

@@ -20,9 +20,13 @@ class FakeSync:
     """What the session asks of AdapterSync when no adapter is published."""
 
     active = None
+    kind = "adapter"
 
     def wait(self) -> None:
         pass
+
+    def publish_final(self, model: object, dtype: str, step: int) -> None:
+        return None
 
 
 class FakeClock:

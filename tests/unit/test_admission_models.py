@@ -267,6 +267,20 @@ ADMISSION_CASES: list[Case] = [
          {"trainer": {"asyncPrefetch": True, "prefetchDepth": 2, "maxStaleness": 2}},
          "spec.trainer.maxStaleness", "at least trainer.prefetchDepth", "spec.trainer",
          "at least trainer.prefetchDepth"),
+    Case("full-tuning-with-qlora", {"trainer": {"tuning": "full", "lora": {"quantizeBase": True}}},
+         {"trainer": {"tuning": "full", "lora": {"quantizeBase": False}}},
+         "spec.trainer.tuning", "cannot be combined with trainer.tuning full", "spec.trainer",
+         "cannot be combined with trainer.tuning full"),
+    Case("full-tuning-with-fsdp", {"trainer": {"tuning": "full", "strategy": "fsdp"}},
+         {"trainer": {"tuning": "full", "strategy": "ddp"}},
+         "spec.trainer.tuning", "strategy fsdp is not supported yet", "spec.trainer",
+         "strategy fsdp is not supported yet"),
+    Case("merged-sync-with-full-tuning", {"trainer": {"sync": "merged", "tuning": "full"}},
+         {"trainer": {"sync": "merged", "tuning": "lora"}},
+         "spec.trainer.sync", "needs trainer.tuning lora", "spec.trainer", "needs trainer.tuning lora"),
+    Case("merged-sync-with-fsdp", {"trainer": {"sync": "merged", "strategy": "fsdp"}},
+         {"trainer": {"sync": "adapter", "strategy": "fsdp"}},
+         "spec.trainer.sync", "sync merged with strategy fsdp", "spec.trainer", "sync merged with strategy fsdp"),
 ]
 
 #: metadata.name: refused (both sides) and accepted.

@@ -467,3 +467,12 @@ def test_trainer_of_one_pod_is_the_job_as_before() -> None:
     assert "subdomain" not in spec["template"]["spec"]
     assert not any(name.startswith("GRPO_MASTER_") for name in env_of(job))
     assert [p["name"] for p in container(job)["ports"]] == ["metrics"]
+
+
+def test_a_full_tuning_trainer_learns_its_pod_ip_for_the_weight_transfer_rendezvous() -> None:
+    full = b.build_trainer_job(make_run(trainer={"tuning": "full"}), attempt=1)
+    env = {e["name"]: e for e in container(full)["env"]}
+    assert env["GRPO_TRAINER_ADDRESS"] == {"name": "GRPO_TRAINER_ADDRESS",
+                                           "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    lora = b.build_trainer_job(make_run(), attempt=1)
+    assert "GRPO_TRAINER_ADDRESS" not in env_of(lora)
