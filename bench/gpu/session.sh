@@ -9,15 +9,20 @@
 #   bash bench/gpu/session.sh gen-server             # engine direct, server HTTP, adapter sync, reload
 #   bash bench/gpu/session.sh lora-decode            # LoRA decode cost at step batch sizes, per vLLM setting
 #   bash bench/gpu/session.sh trainer-gpu-tests      # the trainer's CUDA-only tests (needs TRL, no vLLM)
+#   bash bench/gpu/session.sh weight-transfer-tests  # vLLM weight transfer (ipc) on the vllm engine, pytest
+#   bash bench/gpu/session.sh trl-async              # TRL 1.16 AsyncGRPOTrainer (LoRA sync) vs vllm serve or grpo serve
 # py-spy profiles are taken when a py-spy wheel was carried to /tmp/stage (installed to /tmp/pyspy):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux_2_17_x86_64 --platform manylinux_2_5_x86_64 -d .device-stage/p1 py-spy
 # Knobs: TESTS_K (pytest -k for server-tests), TESTS_TIMEOUT, SKIP_DIRECT / SKIP_RELOAD (gen-server),
 # ONLY=server|colocate and LOGPROBS=sampler|auto (grpo: our run's spec.server.logprobsSource),
 # COMPLETION / BATCH / ACCUM / STEPS (grpo: the workload; e.g. COMPLETION=1024 BATCH=8 ACCUM=4 STEPS=6),
-# PREFETCH (grpo: our run's prefetchDepth, default 1), REPLICAS (grpo: our server's replicas, sharing its GPU share), ENGINE_ARGS (grpo: JSON for our server's
+# PREFETCH (grpo: our run's prefetchDepth, default 1; 0 = the spec defaults), LR (grpo: learningRate, default 1e-3), TUNING=lora|full (grpo: trainer.tuning), SYNC=adapter|merged (grpo: our trainer.sync), REPLICAS (grpo: our server's replicas, sharing its GPU share), ENGINE_ARGS (grpo: JSON for our server's
 # extraEngineArgs), SERVER_ENV (grpo: NAME=VALUE for our server's env), SETTINGS (lora-decode: default,specialize
 # unless set; SETTINGS=dual-stream in a call of its own).
+# trl-async (bench/trl_async.py, grpo_step.py's workload): SERVER=vllm|grpo (default vllm), STEPS (default 20),
+# STALENESS (AsyncGRPOConfig.max_staleness, default 2); writes $OUT/trl_async_$SERVER.json and its _server.log,
+# _trainer.log and _steps.jsonl beside it, e.g. SERVER=grpo STEPS=20 STALENESS=2 bash bench/gpu/session.sh trl-async
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -73,7 +78,7 @@ grpo() {
   timeout 560 $PY bench/grpo_step.py --model $M --dataset $D --steps ${STEPS:-8} \
     --out "$OUT/grpo_step${REPLICAS:+_r$REPLICAS}.json" ${REPLICAS:+--replicas $REPLICAS} \
     ${ONLY:+--only $ONLY} --logprobs-source "${LOGPROBS:-sampler}" --completion-length ${COMPLETION:-256} \
-    --batch ${BATCH:-32} --grad-accum ${ACCUM:-1} --prefetch-depth ${PREFETCH:-1} --work $work \
+    --batch ${BATCH:-32} --grad-accum ${ACCUM:-1} --prefetch-depth ${PREFETCH:-1} --work $work ${LR:+--learning-rate $LR} ${TUNING:+--tuning $TUNING} ${SYNC:+--sync $SYNC} \
     ${ENGINE_ARGS:+--engine-args "$ENGINE_ARGS"} ${SERVER_ENV:+--server-env "$SERVER_ENV"}
   for f in $work/*.log; do tail -40 "$f" > "$OUT/$(basename "$f")"; done
   tail -30 $work/bench-server/logs/server-attempt-1.log > "$OUT/grpo-server-vllm.log" 2>/dev/null
@@ -114,11 +119,30 @@ lora_decode() {
   grep -v "^INFO\|^(EngineCore" "$OUT/lora_decode.log" | tail -8
 }
 
+weight_transfer_tests() {
+  # vLLM's weight transfer on the vllm engine: CUDA IPC pushes from another process on the same GPU
+  log "weight-transfer tests on the vllm engine (ipc)"
+  GRPO_TEST_SERVER_MODEL_DIR=$M GRPO_TEST_SERVER_OVERRIDES='{"enforceEager": true, "maxModelLen": 2048, "dtype": "bfloat16"}' \
+    timeout ${TESTS_TIMEOUT:-300} $PY -m pytest tests/server/test_weight_transfer_vllm.py -q -p no:cacheprovider -o addopts="" \
+      --timeout 280 -rfEs --junitxml="$OUT/weight_transfer_tests.xml" > "$OUT/weight_transfer_tests.log" 2>&1
+  tail -15 "$OUT/weight_transfer_tests.log"
+}
+
+trl_async() {
+  local server=${SERVER:-vllm}
+  log "TRL AsyncGRPOTrainer against $server serve, max_staleness ${STALENESS:-2}, ${STEPS:-20} steps"
+  timeout 560 $PY bench/trl_async.py --server "$server" --model $M --dataset $D --steps ${STEPS:-20} \
+    --max-staleness ${STALENESS:-2} --timeout 540 --work /tmp/trl-async-$server --out "$OUT/trl_async_$server.json" \
+    ${LR:+--learning-rate $LR}
+  tail -4 "$OUT/trl_async_${server}_trainer.log"
+}
+
 for phase in "$@"; do
   free_gpu
   case $phase in
-    prep) prep ;; server-tests) server_tests ;; hardening-tests) hardening_tests ;; grpo) grpo ;; gen-offline) gen_offline ;; gen-server) gen_server ;;
+    prep) prep ;; weight-transfer-tests) weight_transfer_tests ;; server-tests) server_tests ;; hardening-tests) hardening_tests ;; grpo) grpo ;; gen-offline) gen_offline ;; gen-server) gen_server ;;
     lora-decode) lora_decode ;; trainer-gpu-tests) trainer_gpu_tests ;;
+    trl-async) trl_async ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done
