@@ -1332,9 +1332,11 @@ class TrainerSpec(PodSettings):
     prefetch_depth: int = Field(
         default=1, ge=1, le=8,
         description="Batches generated ahead with asyncPrefetch, requested concurrently so the server decodes "
-        "them together; each adds one step to the staleness bound. With server and trainer on one GPU, 2 "
-        "measured steps 1.1-1.7x faster than TRL colocate, by how its short runs are sliced (1: 1.0-1.14x; "
-        "BENCHMARKS.md).",
+        "them together; each adds one step to the staleness bound (a batch may be generated that many "
+        "versions behind the step that trains on it). With server and trainer on one GPU, depth 2 measured "
+        "1.1-1.7x faster than TRL colocate in short runs (1: 1.0-1.14x), but in a 20-step run with adapter "
+        "syncs every step it was 0.26x, adapter loads and generation slowing each other down, against 0.78x "
+        "with asyncPrefetch off (BENCHMARKS.md, under investigation): measure before raising it.",
     )
     num_nodes: int = Field(
         default=1, ge=1, le=MAX_TRAINER_NODES,

@@ -61,6 +61,7 @@ from grpo_server.engines.logprobs import (
     rescore_equals_sampler,
     sampled_logprobs,
 )
+from grpo_server.engines.ray_stand_in import provide_ray_stand_in
 from grpo_server.engines.vllm_weights import BACKENDS, VllmWeightReceiver
 from grpo_server.sampling import MAX_LOGPROBS
 
@@ -147,6 +148,8 @@ class VllmEngine:
             # built by this server from validated JSON (vllm_weights.py), never taken from a request.
             # Set before the engine core starts: it and its workers read it at startup.
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+            # vLLM's IPC module imports ray (unused here), which vLLM does not install
+            provide_ray_stand_in()
         # Built off the event loop so /health answers 503 while it loads; AsyncLLM starts its
         # output handler on the first request, inside the loop.
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self._args)
