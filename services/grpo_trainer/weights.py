@@ -373,6 +373,8 @@ class WeightSync(PolicySync[WeightSnapshot, WeightSyncResult]):
 
     def describe(self, result: WeightSyncResult, step: int, reason: str, note: str) -> str:
         snapshot = result.weights.snapshot
+        if self.pool is None:
+            return f"weights v{result.version} (step {step}, {reason}): colocate, TRL moves them into its own vLLM"
         return (f"pushed weights v{result.version} ({len(snapshot.tensors)} tensors, {snapshot.size_bytes} bytes) "
                 f"(step {step}, {reason}): {result.seconds:.2f}s {note}")
 

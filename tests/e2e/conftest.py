@@ -177,6 +177,12 @@ def example_run(node: Node, name: str, **trainer: Any) -> dict[str, Any]:
     return run
 
 
+def pods(node: Node, run: str, component: str) -> list[dict[str, Any]]:
+    """The run's pods of one component that are not being deleted."""
+    return [p for p in node.list("pod", f"grpo.dev/run={run},grpo.dev/component={component}")
+            if not p["metadata"].get("deletionTimestamp")]
+
+
 def run_status(node: Node, name: str) -> dict[str, Any]:
     run = node.get("grporun", name)
     assert run is not None, f"GRPORun {name} is gone"

@@ -8,14 +8,13 @@ its first attempt, learning as the one-replica example does.
 
 from __future__ import annotations
 
-from typing import Any
-
 from tests.e2e.conftest import (
     NAMESPACE,
     LogFollower,
     Node,
     VolumeReader,
     example_run,
+    pods,
     wait_for,
     wait_phase,
     wait_step,
@@ -25,11 +24,6 @@ STEPS = 40
 RUN_TIMEOUT_S = 20 * 60
 #: Four pods of the run on a two-core node beside the control plane: small requests so all schedule.
 SMALL = {"requests": {"cpu": "100m", "memory": "512Mi"}, "limits": {"memory": "4Gi"}}
-
-
-def pods(node: Node, run: str, component: str) -> list[dict[str, Any]]:
-    return [p for p in node.list("pod", f"grpo.dev/run={run},grpo.dev/component={component}")
-            if not p["metadata"].get("deletionTimestamp")]
 
 
 def test_two_server_replicas_and_two_trainer_pods_learn_and_survive_a_lost_replica(

@@ -11,6 +11,7 @@ by an attempt that starts from step 0.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -32,13 +33,18 @@ def _no_metrics_port(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GRPO_TRAINER_METRICS_PORT", "0")
 
 
-@pytest.fixture(scope="module")
-def full_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
-    server = start_server(tmp_path_factory.mktemp("full-server"), tiny_model_dir, run_name="full")
+def own_server(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, name: str) -> Iterator[RunningServer]:
+    """A server of this module's own: pushed weights replace its model for every later request."""
+    server = start_server(tmp_path_factory.mktemp(f"{name}-server"), model_dir, run_name=name)
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def full_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[RunningServer]:
+    yield from own_server(tmp_path_factory, tiny_model_dir, "full")
 
 
 def greedy(server: RunningServer, prompt: list[int]) -> list[int]:
@@ -121,12 +127,8 @@ def test_an_attempt_from_step_0_refuses_a_server_that_serves_pushed_weights(
 
 
 @pytest.fixture(scope="module")
-def merged_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
-    server = start_server(tmp_path_factory.mktemp("merged-server"), tiny_model_dir, run_name="merged")
-    try:
-        yield server
-    finally:
-        server.stop()
+def merged_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[RunningServer]:
+    yield from own_server(tmp_path_factory, tiny_model_dir, "merged")
 
 
 def test_merged_sync_pushes_the_target_modules_with_the_adapter_merged_and_publishes_the_adapter_at_the_end(
