@@ -43,7 +43,7 @@ def test_full_tuning_pushes_weights_across_pods_and_a_replaced_server_catches_up
     trainer_logs.poll()
     (trainer,) = pods(node, run, "trainer")
     env = {e["name"]: e for e in trainer["spec"]["containers"][0]["env"]}
-    assert env["GRPO_TRAINER_ADDRESS"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["GRPO_TRAINER_ADDRESS"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     servers = pods(node, run, "server")
     assert len(servers) == 2
     lost = servers[1]["metadata"]["name"]
