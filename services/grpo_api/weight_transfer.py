@@ -36,6 +36,8 @@ from pydantic import (
     model_validator,
 )
 
+#: Store prefix of the gloo exchange (the transformers engine's transport), shared by trainer and server.
+GLOO_STORE_PREFIX = "grpo-weight-transfer"
 #: Response header of every generation: the weights version that produced it (0: the weights read from disk).
 WEIGHTS_VERSION_HEADER = "X-GRPO-Weights-Version"
 

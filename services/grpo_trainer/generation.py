@@ -28,7 +28,6 @@ from typing import Any
 from grpo_trainer.client import Completions
 from grpo_trainer.errors import TrainingFailed
 from grpo_trainer.metrics import DiscardReason, TrainerMetrics
-from grpo_trainer.publish import AdapterStore
 from grpo_trainer.replicas import ServerPool
 from grpo_trainer.sync import PolicySync
 
@@ -179,7 +178,6 @@ class GenerationBackend:
         self,
         pool: ServerPool,
         sync: PolicySync[Any, Any],
-        store: AdapterStore | None,
         metrics: TrainerMetrics,
         *,
         model_name: str,
@@ -191,7 +189,6 @@ class GenerationBackend:
     ) -> None:
         self.pool = pool
         self.sync = sync
-        self.store = store
         self.metrics = metrics
         self.model_name = model_name
         #: Sampling fields of each request; ServerGeneration fills them from TRL's generation settings.

@@ -230,7 +230,7 @@ def _train(
     elif pool is not None and health is not None:
         depth = t.prefetch_depth if t.async_prefetch else 0
         backend = GenerationBackend(
-            pool, sync, store, metrics,
+            pool, sync, metrics,
             model_name=health.model,
             num_generations=t.num_generations,
             bound=StalenessBound(t.sync_interval, depth, t.max_staleness),

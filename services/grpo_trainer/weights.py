@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_api.protocol import HealthResponse
+from grpo_api.weight_transfer import GLOO_STORE_PREFIX
 from grpo_trainer.adapter_io import snapshot_peft_adapter
 from grpo_trainer.client import Completions, ServerClient
 from grpo_trainer.errors import TrainingFailed
@@ -44,8 +45,6 @@ from grpo_trainer.sync import PolicySync
 #: Address the server reaches the trainer's rendezvous at (nccl, gloo); the operator sets the pod's IP.
 ENV_TRAINER_ADDRESS = "GRPO_TRAINER_ADDRESS"
 DEFAULT_TRAINER_ADDRESS = "127.0.0.1"
-#: Store prefix of the gloo exchange; the server's gloo receiver uses the same one.
-GLOO_STORE_PREFIX = "grpo-weight-transfer"
 #: How long a replica may take to join the group, and a transfer to finish.
 RENDEZVOUS_SECONDS = 120.0
 #: How long the first update on a group waits for a refusal before it broadcasts.

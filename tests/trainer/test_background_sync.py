@@ -79,7 +79,7 @@ def test_a_generation_request_is_sent_only_after_the_sync_in_flight_is_done(sync
 
     pool = Pool(static_discovery(["http://127.0.0.1:9"]), expected=1, describe="test", token=None,
                 generation_timeout=1, metrics=sync.metrics)
-    gen = GenerationBackend(pool, sync, sync.store, sync.metrics, model_name="m", num_generations=1,
+    gen = GenerationBackend(pool, sync, sync.metrics, model_name="m", num_generations=1,
                             bound=StalenessBound(1, 1),
                             seed=0, current_step=lambda: 1)
     gate, entered = threading.Event(), threading.Event()

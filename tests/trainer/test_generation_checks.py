@@ -108,7 +108,7 @@ def backend(
     sync = AdapterSync(store, None, metrics, retry_seconds=1)
     pool = ServerPool(static_discovery(["http://127.0.0.1:9"]), expected=1, describe="test", token=None,
                       generation_timeout=1, metrics=metrics)
-    gen = GenerationBackend(pool, sync, store, metrics, model_name="m", num_generations=1,
+    gen = GenerationBackend(pool, sync, metrics, model_name="m", num_generations=1,
                             bound=bound if isinstance(bound, StalenessBound) else StalenessBound(1, bound),
                             seed=0, current_step=lambda: step)
     return gen, sync, store

@@ -56,7 +56,7 @@ def generation_for(spec: StructuredOutputsSpec | None, server: RunningServer, tm
     backend = GenerationBackend(
         ServerPool(static_discovery([server.url]), expected=1, describe=server.url, token=None,
                    generation_timeout=120, metrics=metrics),
-        AdapterSync(store, None, metrics, retry_seconds=1), store, metrics, model_name="tiny",
+        AdapterSync(store, None, metrics, retry_seconds=1), metrics, model_name="tiny",
         num_generations=GROUP, bound=StalenessBound(1, 0), seed=7, current_step=lambda: 0, log=lambda _: None,
     )
     bound = type("BoundServerGeneration", (ServerGeneration,), {"backend": backend})

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from grpo_api.weight_transfer import WeightTransferInit, WeightUpdateInfo
+from grpo_api.weight_transfer import GLOO_STORE_PREFIX, WeightTransferInit, WeightUpdateInfo
 from grpo_server.engines.base import WeightTransferError
 from grpo_server.engines.serial import PRIORITY_ADAPTER, SerialWorker
 
@@ -33,7 +33,7 @@ T = TypeVar("T")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Prefix of this transfer's keys in the trainer's store (other users of the store keep theirs).
-STORE_PREFIX = "grpo-weight-transfer"
+STORE_PREFIX = GLOO_STORE_PREFIX
 
 
 async def on_daemon_thread(fn: Callable[[], T], name: str) -> T:
