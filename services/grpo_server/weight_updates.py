@@ -6,6 +6,8 @@ while the call runs) and `finish`. The rules:
 - every tensor an update names must be a parameter of the served model, with its shape, and be
   named once, and carry what the backend needs (`ipc_handles` for ipc, nothing of the kind for the
   others); otherwise the call is refused (400, the field named) before a byte moves;
+- an update carries every tensor its receiver requires (`WeightReceiver.required`: in place, the whole
+  checkpoint) before `finish` commits it; one that lacks some is undone and refused (409);
 - an update serves nothing until `finish`, and a completion comes from one set of weights, named
   in its response (`X-GRPO-Weights-Version`);
 - an update whose transfer failed never serves: `finish` refuses it (409) and the trainer
@@ -69,6 +71,8 @@ class WeightUpdates:
         self._updating = False
         self._failed: str | None = None
         self._staged = 0
+        #: Names received by the open update (`finish` checks them against `required`).
+        self._received: set[str] = set()
         #: In place: the exclusive section the open update holds, from its first tensor to its end.
         self._held: AsyncExitStack | None = None
         #: In place: the served model may hold part of an unfinished update.
@@ -141,6 +145,7 @@ class WeightUpdates:
                 if self._held is not None:
                     self._arm(receiver)
             self._staged += len(update.names)
+            self._received.update(update.names)
             return self._answer(f"received {len(update.names)} tensor(s)", started, tensors=len(update.names))
 
     async def finish(self, receiver: WeightReceiver, version: int | None) -> WeightTransferResponse:
@@ -155,6 +160,13 @@ class WeightUpdates:
                                f"{self._again(receiver)}")
             if self._staged == 0:
                 raise ApiError(409, "weight_update_empty", "no tensor was received since /start_weight_update")
+            if missing := receiver.required() - self._received:
+                await self._reset(receiver)
+                shown = ", ".join(sorted(missing)[:3]) + (", ..." if len(missing) > 3 else "")
+                raise ApiError(409, "weight_update_incomplete",
+                               f"this server loads updates into the live model and needs every tensor of the model "
+                               f"in each one: {len(missing)} were not sent ({shown}); {self._serving_now()}. "
+                               f"{self._again(receiver)} with every tensor")
             if version is not None and version <= self._highest:
                 if self._held is not None:
                     self._arm(receiver)  # the update stays open for a finish with a good version
@@ -178,6 +190,7 @@ class WeightUpdates:
                     tensors = await receiver.commit()
                     self._advance(version)
             self._updating, self._staged = False, 0
+            self._received.clear()
             log.info("weights version %d serving: %d tensor(s) replaced in %.3fs", self.version, tensors,
                      time.perf_counter() - started)
             return self._answer(f"weights version {self.version} serving ({tensors} tensor(s) replaced)", started,
@@ -249,6 +262,7 @@ class WeightUpdates:
         await self._end_in_place(receiver)
         receiver.discard()
         self._updating, self._failed, self._staged = False, None, 0
+        self._received.clear()
 
     def _advance(self, version: int | None) -> None:
         self.version = version if version is not None else self._highest + 1

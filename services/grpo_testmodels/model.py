@@ -24,8 +24,9 @@ _STALE_PATTERNS = (
 def make_model(out_dir: Path, preset: str = "tiny", seed: int = 0, overwrite: bool = False) -> Path:
     """Write a Qwen2ForCausalLM with random weights and a locally trained tokenizer to `out_dir`.
 
-    Presets (see `PRESETS`): `tiny` (CPU tests, demo) and `qwen2.5-1.5b` (Qwen2.5-1.5B's
-    shape with a 32,000-entry vocabulary). Same preset and seed give byte-identical files.
+    Presets (see `PRESETS`): `tiny` (CPU tests, demo), `qwen2.5-1.5b` (Qwen2.5-1.5B's
+    shape with a 32,000-entry vocabulary) and `qwen2.5-1.5b-learn` (the same with larger
+    embeddings, for benchmarks whose reward must rise). Same preset and seed give byte-identical files.
     A non-empty `out_dir` is refused unless `overwrite`, which then removes only the files
     a build writes.
     """
@@ -53,6 +54,11 @@ def make_model(out_dir: Path, preset: str = "tiny", seed: int = 0, overwrite: bo
     torch.manual_seed(seed)
     # Created directly in the target dtype on CPU: no float32 copy of a 1.5B model.
     model = Qwen2ForCausalLM._from_config(config, dtype=dtype)
+    if p.embedding_init_range is not None:  # after the rest, so the other weights stay as the base preset's
+        with torch.no_grad():
+            model.get_input_embeddings().weight.normal_(0.0, p.embedding_init_range)
+            if not p.tie_word_embeddings:
+                model.get_output_embeddings().weight.normal_(0.0, p.embedding_init_range)
     model.generation_config = GenerationConfig(
         bos_token_id=ENDOFTEXT_ID,
         eos_token_id=[IM_END_ID, ENDOFTEXT_ID],

@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import datetime as dt
 import os
+import re
 import socket
 import threading
 import time
@@ -400,30 +401,42 @@ class WeightSync(PolicySync[WeightSnapshot, WeightSyncResult]):
 
 #: PEFT's prefix of the wrapped model's module names (`PeftModel.base_model.model`).
 PEFT_PREFIX = "base_model.model."
+#: A LoRA parameter of a PEFT model (A, B, embedding halves, DoRA's magnitude): not a base weight.
+LORA_PARAMETER = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
 
 
 def take_merged_snapshot(model: Any, dtype: str) -> WeightSnapshot:
-    """The LoRA target modules' weights with the adapter merged in (W + scale·BA, PEFT's own delta), under
-    the base checkpoint's names, in `dtype`: what the server must hold to generate as base + adapter does.
+    """Every base weight under the checkpoint's name, in `dtype`, the LoRA target modules' with the adapter
+    merged in (W + scale·BA, PEFT's own delta): what the server must hold to generate as base + adapter does.
 
-    Only the target modules move; every other weight is the base model's, which the server has."""
+    The weights no adapter touches are pushed too: vLLM reloads in place only from a complete set of a
+    layer's tensors (a fused qkv given its weights without their biases gets uninitialised biases), and a
+    vllm server refuses an update without every tensor (`weight_update_incomplete`). They are ~4% of the
+    bytes of an all-linear 1.5B model; the order is the model's, layer by layer."""
     import torch
     from peft.tuners.lora import LoraLayer
 
     target = getattr(torch, dtype)
-    tensors: dict[str, Any] = {}
+    merged: dict[str, Any] = {}
     with torch.no_grad():
         for name, module in model.named_modules():
             if not isinstance(module, LoraLayer) or not module.active_adapters:
                 continue
             layer: Any = module  # a LoRA Linear: get_delta_weight is PEFT's W += delta of merge()
-            base = layer.get_base_layer().weight
-            merged = base.detach().to(torch.float32)
+            weight = layer.get_base_layer().weight.detach().to(torch.float32)
             for adapter in layer.active_adapters:
-                merged = merged + layer.get_delta_weight(adapter).to(torch.float32)
-            tensors[f"{name.removeprefix(PEFT_PREFIX)}.weight"] = merged.to(target).contiguous()
-    if not tensors:
-        raise TrainingFailed("trainer.sync merged found no LoRA layer in the policy to merge")
+                weight = weight + layer.get_delta_weight(adapter).to(torch.float32)
+            merged[f"{name.removeprefix(PEFT_PREFIX)}.weight"] = weight.to(target).contiguous()
+        if not merged:
+            raise TrainingFailed("trainer.sync merged found no LoRA layer in the policy to merge")
+        tensors: dict[str, Any] = {}
+        for name, param in model.named_parameters():
+            if LORA_PARAMETER.search(name):
+                continue
+            key = name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+            tensors[key] = merged.pop(key) if key in merged else param.detach().to(dtype=target, copy=True).contiguous()
+    if merged:  # a merged module whose base weight is not a parameter of the model: a naming bug, never pushed
+        raise TrainingFailed(f"trainer.sync merged: no base parameter for {', '.join(sorted(merged)[:3])}")
     return WeightSnapshot(tensors)
 
 

@@ -109,6 +109,15 @@ def push(server: RunningServer, model_dir: Path, work: Path, kind: str, names: l
         sender.wait(120)
 
 
+def every_name(model_dir: Path) -> list[str]:
+    """Every tensor of the checkpoint, the ones `scaled` changes last (a split update fails on the final norm):
+    a vllm server takes only whole updates (it reloads layers in place from all of their tensors)."""
+    from grpo_server.engines.vllm_weights import checkpoint_tensors
+
+    changed = mlp_and_norm_names(model_dir)
+    return [name for name in checkpoint_tensors(model_dir) if name not in changed] + changed
+
+
 def version_of(response: httpx.Response) -> str:
     assert response.status_code == 200, response.text
     return response.headers[WEIGHTS_VERSION_HEADER]
@@ -138,7 +147,7 @@ def test_pushed_weights_serve_with_their_version_and_the_originals_come_back_exa
 ):
     before = complete(server)
     assert version_of(before) == "0"
-    names = mlp_and_norm_names(served_model_dir)
+    names = every_name(served_model_dir)
 
     scaled = push(server, served_model_dir, tmp_path, "scaled", names)
     [update] = scaled["update"]
@@ -170,7 +179,7 @@ def test_pushed_weights_serve_with_their_version_and_the_originals_come_back_exa
 
 def test_a_transfer_that_fails_half_way_never_serves(server, served_model_dir, tmp_path):
     before = complete(server)
-    names = mlp_and_norm_names(served_model_dir)
+    names = every_name(served_model_dir)
     # two calls: the MLP tensors load into the live model (scaled); then the norm's handle names a GPU
     # that is not there, vLLM's worker refuses that call, and the half-replaced model must not serve
     failed = push(server, served_model_dir, tmp_path, "scaled", names, bad_uuid=True, split_last=True)
@@ -185,6 +194,13 @@ def test_a_transfer_that_fails_half_way_never_serves(server, served_model_dir, t
     health = httpx.get(server.url + "/health/", timeout=30)
     assert health.status_code == 200 and health.json()["weights_version"] == 0
     assert post(server, "/start_weight_update").status_code == 200  # ipc: no group to join again
+
+    # an update without every tensor is undone and refused: vLLM would rebuild a partly given layer on
+    # uninitialised memory (the MLP's weights alone are whole layers, but the rule is the whole model)
+    partial = push(server, served_model_dir, tmp_path, "scaled", mlp_and_norm_names(served_model_dir))
+    assert partial["update"][0].status_code == 200, partial["update"][0].text
+    assert partial["finish"].status_code == 409 and partial["finish"].json()["error"] == "weight_update_incomplete"
+    assert token_ids(complete(server)) == token_ids(before)
 
     # updates serve again (above every version served before: 6 after the test above)
     good = push(server, served_model_dir, tmp_path, "scaled", names)

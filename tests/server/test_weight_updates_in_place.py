@@ -46,6 +46,8 @@ class FakeInPlaceReceiver:
         self.fail_restore = False
         self.model = "disk"  # what the served model holds: disk, updating, or the committed update
         self._receives = 0
+        #: What an update must carry (vLLM's receiver: the whole checkpoint); most tests send parts.
+        self.needs: frozenset[str] = frozenset()
 
     def _quiet(self, call: str) -> None:
         assert self.engine.running == 0, f"{call} while {self.engine.running} generation(s) run"
@@ -53,6 +55,9 @@ class FakeInPlaceReceiver:
 
     def parameters(self) -> dict[str, tuple[tuple[int, ...], str]]:
         return PARAMS
+
+    def required(self) -> frozenset[str]:
+        return self.needs
 
     async def join(self, init: WeightTransferInit, timeout: float) -> None:
         self.calls.append("join")
@@ -358,5 +363,36 @@ def test_the_backend_decides_what_init_info_and_update_info_may_carry(tmp_path):
             await service.weights.update(receiver, update_info("a.weight"))
         assert foreign.value.status_code == 400 and "update_info.ipc_handles" in foreign.value.message
         assert "nccl" in foreign.value.message
+
+    run(scenario)
+
+
+def test_an_update_that_lacks_a_required_tensor_is_undone_and_refused_and_a_whole_one_then_serves(tmp_path):
+    """vLLM rebuilds a layer given part of its tensors from uninitialised memory (found on the H200 with a
+    merged sync that pushed weights without their biases): such an update must never serve."""
+
+    async def scenario() -> None:
+        service, engine = make_service(tmp_path)
+        receiver = engine.receiver
+        receiver.needs = frozenset(PARAMS)
+        await open_update(service, engine)
+        await service.weights.update(receiver, update_info("a.weight"))
+        with pytest.raises(ApiError) as refused:
+            await service.weights.finish(receiver, 3)
+        assert refused.value.status_code == 409 and refused.value.error == "weight_update_incomplete"
+        assert "1 were not sent (b.weight)" in refused.value.message and "version 0" in refused.value.message
+        assert receiver.calls[-1] == "restore" and receiver.model == "disk" and "commit" not in receiver.calls
+        assert service.weights.version == 0 and not service.weights.updating
+        assert (await generate(service)).weights_version == 0
+
+        await service.weights.start(receiver)  # the names of the undone update do not count for the next
+        await service.weights.update(receiver, update_info("b.weight"))
+        with pytest.raises(ApiError, match=r"\(a\.weight\)"):
+            await service.weights.finish(receiver, 3)
+        await service.weights.start(receiver)
+        await service.weights.update(receiver, update_info("a.weight", "b.weight"))
+        done = await service.weights.finish(receiver, 3)
+        assert done.weights_version == 3 and receiver.model == "update3"  # the third receive
+        assert (await generate(service)).weights_version == 3
 
     run(scenario)

@@ -131,7 +131,7 @@ def merged_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
     yield from own_server(tmp_path_factory, tiny_model_dir, "merged")
 
 
-def test_merged_sync_pushes_the_target_modules_with_the_adapter_merged_and_publishes_the_adapter_at_the_end(
+def test_merged_sync_pushes_every_weight_with_the_target_modules_merged_and_publishes_the_adapter_at_the_end(
     merged_server: RunningServer, tiny_model_dir: Path, tiny_chat_dataset: Path, tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ):
@@ -150,8 +150,8 @@ def test_merged_sync_pushes_the_target_modules_with_the_adapter_merged_and_publi
     assert progress.step == 2
     pushes = re.findall(r"^merged: pushed weights v(\d+) \((\d+) tensors", out, re.M)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    linear = [n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
-    assert [int(v) for v, _ in pushes] == [1, 2] and all(int(n) == len(linear) for _, n in pushes), out
+    every = list(base.state_dict())  # every weight, the merged ones and the rest (vLLM reloads whole layers)
+    assert [int(v) for v, _ in pushes] == [1, 2] and all(int(n) == len(every) for _, n in pushes), out
     health = merged_server.health()
     assert health["weights_version"] == 2 and health["adapter"] is None  # plain weights, no LoRA at generation
     # The adapter is the artifact: published once, at the end, and never loaded.

@@ -162,6 +162,34 @@ def test_qwen2_5_1_5b_preset_has_qwen_shape_and_parameter_count() -> None:
     assert n_params == QWEN25_15B_PARAMS - (151_936 - 32_000) * 1536
 
 
+def test_the_learning_preset_is_the_1_5b_shape_with_larger_embeddings_only() -> None:
+    plain, learn = PRESETS["qwen2.5-1.5b"], PRESETS["qwen2.5-1.5b-learn"]
+    assert preset_config("qwen2.5-1.5b-learn").to_diff_dict() == preset_config("qwen2.5-1.5b").to_diff_dict()
+    assert (plain.embedding_init_range, learn.embedding_init_range) == (None, 0.1)
+
+
+def test_embedding_init_range_scales_the_embedding_and_leaves_every_other_weight(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the learning preset does to the 1.5B shape, on the tiny one (a 1.5B build takes minutes)."""
+    import dataclasses
+
+    import torch
+    from safetensors.torch import load_file
+
+    monkeypatch.setitem(PRESETS, "tiny", dataclasses.replace(PRESETS["tiny"], embedding_init_range=2.0))
+    make_model(tmp_path / "wide", preset="tiny", seed=0)
+    wide = load_file(tmp_path / "wide" / "model.safetensors")
+    plain = load_file(tiny_model_dir / "model.safetensors")
+    assert wide.keys() == plain.keys()
+    embedding = "model.embed_tokens.weight"
+    assert abs(wide[embedding].float().std().item() - 2.0) < 0.1
+    assert abs(plain[embedding].float().std().item() - 0.2) < 0.02
+    assert abs(wide["lm_head.weight"].float().std().item() - 2.0) < 0.1  # untied: the output embedding too
+    for name in plain.keys() - {embedding, "lm_head.weight"}:
+        assert torch.equal(wide[name], plain[name]), name
+
+
 def test_dataset_rows_are_vocabulary_words_and_deterministic(
     tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path
 ) -> None:

@@ -185,6 +185,9 @@ class WeightReceiver(Protocol):
     def parameters(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """Every parameter an update may name (checkpoint names): its shape and dtype name."""
 
+    def required(self) -> frozenset[str]:
+        """The tensors an update must carry before it may `commit` (empty: any of `parameters`)."""
+
     async def join(self, init: WeightTransferInit, timeout: float) -> None:
         """Join the trainer's transfer group (replacing an earlier one); raises WeightTransferError."""
 

@@ -89,6 +89,9 @@ class GlooWeightReceiver:
         return {name: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
                 for name, p in checkpoint_parameters(self._model()).items()}
 
+    def required(self) -> frozenset[str]:
+        return frozenset()  # staged tensors are copied onto the model's own by name: any subset is whole
+
     async def join(self, init: WeightTransferInit, timeout: float) -> None:
         self.close()
         group = init.rendezvous()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
 import pickle
 from collections.abc import Awaitable, Callable
@@ -74,6 +75,14 @@ def checkpoint_tensors(model_dir: Path) -> dict[str, tuple[tuple[int, ...], str]
                 dtype = sliced.get_dtype()
                 tensors[key] = (tuple(int(d) for d in sliced.get_shape()), SAFETENSORS_DTYPES.get(dtype, dtype.lower()))
     return tensors
+
+
+def tied_embeddings(model_dir: Path) -> bool:
+    """Whether the model's config ties the output embedding to the input one (then it is not sent)."""
+    try:
+        return bool(json.loads((model_dir / "config.json").read_text()).get("tie_word_embeddings", False))
+    except (OSError, ValueError):
+        return False
 
 
 def rebuild_args(handle: CudaIpcHandle) -> tuple[Any, ...]:
@@ -141,6 +150,19 @@ class VllmWeightReceiver:
         if self._params is None:
             self._params = checkpoint_tensors(self._model_dir)
         return self._params
+
+    def required(self) -> frozenset[str]:
+        """Every tensor of the checkpoint (a tied `lm_head.weight` is the embedding's).
+
+        vLLM 0.26 reloads in place layer by layer (`model_loader/reload/layerwise.py`): a layer given part
+        of its tensors is rebuilt on fresh memory, loaded, and copied over the live one, so the tensors it
+        was not given (q/k/v biases beside their weights, k of a fused qkv given only q and v) become
+        uninitialised memory. Found on the H200: a merged sync that pushed the LoRA target modules' weights
+        alone made the rewards swing between 0.02 and 0.39 from step to step."""
+        names = set(self.parameters())
+        if "lm_head.weight" in names and tied_embeddings(self._model_dir):
+            names.discard("lm_head.weight")
+        return frozenset(names)
 
     async def join(self, init: WeightTransferInit, timeout: float) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
