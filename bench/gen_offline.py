@@ -124,6 +124,8 @@ def main() -> None:
     parser.add_argument("--hf-prompts", type=int, default=8, help="prompts for the (slow) HF baseline")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     parser.add_argument("--profile", type=Path, default=None, help="py-spy two LoRA runs into this folder")
+    parser.add_argument("--quick", action="store_true",
+                        help="only the plain and logprobs=0 runs (the baselines of gen_server.py http --weights)")
     args = parser.parse_args()
 
     from vllm import LLM
@@ -153,6 +155,8 @@ def main() -> None:
         ("lora logprobs=0", 0, False, True, lora),
         ("lora logprobs=0 flat_logprobs detokenize=False", 0, True, False, lora),
     ]
+    if args.quick:
+        variants = variants[:2]
     profile = {"lora plain", "lora logprobs=0 flat_logprobs detokenize=False"}
     for name, logprobs, flat, detok, req in variants:
         spy = profiled(args.profile, name, 8) if name in profile else None
@@ -162,8 +166,9 @@ def main() -> None:
         print(name, json.dumps(runs[name]), flush=True)
     del llm
     gc.collect()
-    runs["hf generate"] = hf_generate(args.model, work.subset(args.hf_prompts))
-    print("hf generate", json.dumps(runs["hf generate"]), flush=True)
+    if not args.quick:
+        runs["hf generate"] = hf_generate(args.model, work.subset(args.hf_prompts))
+        print("hf generate", json.dumps(runs["hf generate"]), flush=True)
 
     base = runs["plain"]["tokens_per_s"]
     figures = [
@@ -171,15 +176,17 @@ def main() -> None:
                baseline_value=base)
         for name, r in runs.items() if name != "hf generate"
     ]
-    figures.append(figure("HF generate (useful tokens)", runs["hf generate"]["tokens_per_s"], "tokens/s",
-                          baseline="LLM.generate plain", baseline_value=base))
+    if "hf generate" in runs:
+        figures.append(figure("HF generate (useful tokens)", runs["hf generate"]["tokens_per_s"], "tokens/s",
+                              baseline="LLM.generate plain", baseline_value=base))
     figures += [
         figure(f"frontend CPU share, {name}", r["frontend_cpu_s"] / r["seconds"], "CPU s / wall s")
         for name, r in runs.items() if "frontend_cpu_s" in r
     ]
     dump(args.out, {
         "benchmark": "generation baselines (vLLM LLM.generate variants, HF generate)",
-        "command": f"python bench/gen_offline.py --model {args.model} --out $OUT/gen_offline.json",
+        "command": f"python bench/gen_offline.py --model {args.model} --out $OUT/gen_offline.json"
+                   + (" --quick" if args.quick else ""),
         "machine": machine(), "date": dt.date.today().isoformat(),
         "workload": f"{len(work.prompts)} prompts × n={work.n}, prompts 64–512 tokens, completions 64–1024",
         "runs": runs, "figures": figures,

@@ -121,12 +121,19 @@ async def direct(model: Path, adapter: Path, work: Workload) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------- http
 
 
-def start_server(model: Path, work_dir: Path, port: int) -> tuple[subprocess.Popen[bytes], Path, float]:
+def start_server(model: Path, work_dir: Path, port: int,
+                 weights: str | None = None) -> tuple[subprocess.Popen[bytes], Path, float]:
+    """`grpo serve` on the model; `weights` (ipc, nccl): a server that takes pushed weights (a merged-sync run's:
+    LoRA off, vLLM's weight transfer on)."""
+    trainer: dict[str, Any] = {"lora": {"r": 32, "alpha": 64}}
+    server = dict(SERVER)
+    if weights is not None:
+        trainer["sync"] = "merged"
+        server["weightTransfer"] = weights
     run = GRPORun.model_validate({
         "metadata": {"name": "bench"},
         "spec": {"model": {"name": "bench", "path": str(model)}, "dataset": {"path": "/dev/null"},
-                 "rewards": [{"function": "token_fraction"}], "server": SERVER,
-                 "trainer": {"lora": {"r": 32, "alpha": 64}}},
+                 "rewards": [{"function": "token_fraction"}], "server": server, "trainer": trainer},
     })
     work_dir.mkdir(parents=True, exist_ok=True)
     token_file = work_dir / "token"
@@ -207,18 +214,22 @@ def start_profile(pid: int, out: Path, seconds: int) -> subprocess.Popen[bytes] 
 
 async def http_bench(
     model: Path, adapter: Path, work: Workload, work_dir: Path, port: int, syncs: int, publish_dtype: str,
-    profile: Path | None,
+    profile: Path | None, weights: str | None = None,
 ) -> dict[str, Any]:
-    proc, root, start_s = start_server(model, work_dir, port)
+    """With `weights`, the server takes pushed weights instead of adapters: generation runs on plain weights
+    (no adapter loaded, no LoRA in the engine) and the adapter-sync benchmark is not run."""
+    proc, root, start_s = start_server(model, work_dir, port, weights)
     base = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {TOKEN}"}
     publisher = Publisher(adapter, root, model_fingerprint(model), publish_dtype)
+    expected_version = None if weights else 1
     try:
         async with httpx.AsyncClient(base_url=base, timeout=600, limits=httpx.Limits(max_connections=256)) as client:
-            path, version, digest, _ = publisher.publish(step=1)
-            r = await client.post("/set_lora_adapter/", json={"path": str(path), "version": version,
-                                                              "sha256": digest}, headers=headers)
-            r.raise_for_status()
+            if weights is None:
+                path, version, digest, _ = publisher.publish(step=1)
+                r = await client.post("/set_lora_adapter/", json={"path": str(path), "version": version,
+                                                                  "sha256": digest}, headers=headers)
+                r.raise_for_status()
 
             async def one(i: int, ids: list[int], max_tokens: int) -> tuple[int, int | None]:
                 body = {"model": "bench", "prompt": [ids], "n": work.n, "max_tokens": max_tokens,
@@ -236,7 +247,7 @@ async def http_bench(
                 results = await asyncio.gather(*(one(i, p, m) for i, (p, m) in enumerate(
                     zip(w.prompts, w.max_tokens, strict=True))))
                 wall = time.perf_counter() - t
-                assert all(v == 1 for _, v in results), "every response must be tagged with adapter v1"
+                assert all(v == expected_version for _, v in results), f"every response: adapter {expected_version}"
                 tokens = sum(t for t, _ in results)
                 return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall}
 
@@ -246,11 +257,11 @@ async def http_bench(
             if spy is not None:
                 spy.wait(60)
             consistency = await logprob_consistency(client, work)
-            sync = await sync_bench(client, publisher, headers, syncs)
+            sync = await sync_bench(client, publisher, headers, syncs) if weights is None else None
     finally:
         stop_server(proc)
-    return {"server_start_s": start_s, "lora_logprobs": gen, "sync": sync, "publish_dtype": publish_dtype,
-            "rescore_vs_sampler": consistency}
+    return {"server_start_s": start_s, "weights": weights, ("plain_logprobs" if weights else "lora_logprobs"): gen,
+            "sync": sync, "publish_dtype": publish_dtype, "rescore_vs_sampler": consistency}
 
 
 async def logprob_consistency(client: httpx.AsyncClient, work: Workload, requests: int = 16) -> dict[str, Any]:
@@ -389,6 +400,9 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, default=None, help="py-spy the server into this folder")
     parser.add_argument("--logprobs-source", choices=["sampler", "auto"], default="auto",
                         help="spec.server.logprobsSource of the HTTP server (the direct phase measures both)")
+    parser.add_argument("--weights", choices=["ipc", "nccl"], default=None,
+                        help="http: a server that takes pushed weights (trainer.sync merged): generation on plain "
+                        "weights with logprobs against LLM.generate plain; no adapter sync, no reload")
     args = parser.parse_args()
     SERVER["engine"] = args.engine
     SERVER["logprobsSource"] = args.logprobs_source
@@ -419,18 +433,31 @@ def main() -> None:
 
     dtype = args.publish_dtype or publish_dtype(str(SERVER["dtype"]), args.model)
     result = asyncio.run(http_bench(args.model, args.adapter, work, work_dir, args.port, args.syncs, dtype,
-                                    args.profile))
-    if not args.skip_reload:
+                                    args.profile, args.weights))
+    if not args.skip_reload and args.weights is None:
         result["merged_reload"] = merged_reload(args.model, args.adapter, work_dir, args.port + 1)
-    http_tps = result["lora_logprobs"]["tokens_per_s"]
+    http_tps = result["plain_logprobs" if args.weights else "lora_logprobs"]["tokens_per_s"]
     figures = []
     if args.offline and args.offline.is_file():
-        plain = json.loads(args.offline.read_text())["runs"]["plain"]["tokens_per_s"]
-        hf = json.loads(args.offline.read_text())["runs"]["hf generate"]["tokens_per_s"]
-        figures.append(figure("server HTTP, LoRA + logprobs vs LLM.generate plain", http_tps, "tokens/s",
-                              baseline="LLM.generate plain (gen_offline)", baseline_value=plain, target="≥ 0.90"))
-        figures.append(figure("server HTTP vs HF generate", http_tps, "tokens/s",
-                              baseline="HF generate (gen_offline)", baseline_value=hf, target="≥ 10×"))
+        offline = json.loads(args.offline.read_text())["runs"]
+        plain = offline["plain"]["tokens_per_s"]
+        if args.weights:
+            figures.append(figure(f"server HTTP, pushed weights ({args.weights}, no LoRA) + logprobs vs "
+                                  "LLM.generate plain", http_tps, "tokens/s",
+                                  baseline="LLM.generate plain (gen_offline)", baseline_value=plain, target="≥ 0.75"))
+        else:
+            figures.append(figure("server HTTP, LoRA + logprobs vs LLM.generate plain", http_tps, "tokens/s",
+                                  baseline="LLM.generate plain (gen_offline)", baseline_value=plain, target="≥ 0.90"))
+        if "hf generate" in offline:
+            figures.append(figure("server HTTP vs HF generate", http_tps, "tokens/s",
+                                  baseline="HF generate (gen_offline)", baseline_value=offline["hf generate"][
+                                      "tokens_per_s"], target="≥ 10×"))
+    if args.weights:
+        dump(args.out, {"benchmark": "generation through a weight-transfer server (HTTP)", "machine": machine(),
+                        "date": today, "command": f"python bench/gen_server.py http --model {args.model} --adapter "
+                        f"{args.adapter} --weights {args.weights} --out $OUT/gen_http_weights.json --offline "
+                        "$OUT/gen_offline.json", "runs": result, "figures": figures})
+        return
     if args.direct and args.direct.is_file():
         direct_tps = json.loads(args.direct.read_text())["runs"]["lora_logprobs"]["tokens_per_s"]
         figures.append(figure("server HTTP vs engine direct", http_tps, "tokens/s",

@@ -11,10 +11,16 @@
 #   bash bench/gpu/session.sh trainer-gpu-tests      # the trainer's CUDA-only tests (needs TRL, no vLLM)
 #   bash bench/gpu/session.sh weight-transfer-tests  # vLLM weight transfer (ipc) on the vllm engine, pytest
 #   bash bench/gpu/session.sh trl-async              # TRL 1.16 AsyncGRPOTrainer (LoRA sync) vs vllm serve or grpo serve
+#   bash bench/gpu/session.sh gen-weights            # a pushed-weights server (no LoRA) + logprobs vs LLM.generate plain
+#   bash bench/gpu/session.sh gpu-share              # two processes on one GPU: decode-shaped loop beside training (MPS=1: also under MPS)
+# trl-async with SERVER=vllm needs watchfiles (vllm serve imports it; the bundle lacks it): carry its wheel in p1,
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux_2_17_x86_64 -d .device-stage/p1 watchfiles
 # py-spy profiles are taken when a py-spy wheel was carried to /tmp/stage (installed to /tmp/pyspy):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux_2_17_x86_64 --platform manylinux_2_5_x86_64 -d .device-stage/p1 py-spy
-# Knobs: TESTS_K (pytest -k for server-tests), TESTS_TIMEOUT, SKIP_DIRECT / SKIP_RELOAD (gen-server),
+# PRESET (prep: the model preset, default qwen2.5-1.5b-learn, whose reward can rise; rounds 1-4 and the first
+# 2026-12-02 runs used qwen2.5-1.5b). Knobs: TESTS_K (pytest -k for server-tests), TESTS_TIMEOUT, SKIP_DIRECT / SKIP_RELOAD (gen-server),
 # ONLY=server|colocate and LOGPROBS=sampler|auto (grpo: our run's spec.server.logprobsSource),
 # COMPLETION / BATCH / ACCUM / STEPS (grpo: the workload; e.g. COMPLETION=1024 BATCH=8 ACCUM=4 STEPS=6),
 # PREFETCH (grpo: our run's prefetchDepth, default 1; 0 = the spec defaults), LR (grpo: learningRate, default 1e-3), TUNING=lora|full (grpo: trainer.tuning), SYNC=adapter|merged (grpo: our trainer.sync), REPLICAS (grpo: our server's replicas, sharing its GPU share), ENGINE_ARGS (grpo: JSON for our server's
@@ -37,14 +43,17 @@ log() { echo "[$(date +%T)] $*"; }
 free_gpu() { nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9; sleep 2; }
 
 prep() {
-  log "prep: 1.5B-shaped model, dataset, r=32 adapter"
-  [ -f $M/config.json ] || $PY -m grpo_cli.main make-model --preset qwen2.5-1.5b $M
+  log "prep: 1.5B-shaped model (${PRESET:-qwen2.5-1.5b-learn}), dataset, r=32 adapter"
+  [ -f $M/config.json ] || $PY -m grpo_cli.main make-model --preset ${PRESET:-qwen2.5-1.5b-learn} $M
   [ -f $D ] || $PY -m grpo_cli.main make-dataset --model $M --prompts 256 $D
   [ -f $A/adapter_config.json ] || $PY -c "
 import sys; sys.path.insert(0, 'bench')
 from pathlib import Path; from gen_offline import make_adapter
 make_adapter(Path('$M'), Path('$A'))"
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
+  # vllm serve (the trl-async baseline) imports watchfiles, which the bundle lacks: carry its wheel in p1
+  ls /tmp/stage/watchfiles-*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/watchfiles ] &&
+    $PY -m pip install -q --no-index --no-deps --target /tmp/site /tmp/stage/watchfiles-*.whl
   ls /tmp/stage/py_spy-*.whl >/dev/null 2>&1 && [ ! -x /tmp/pyspy/bin/py-spy ] &&
     $PY -m pip install -q --no-index --no-deps --target /tmp/pyspy /tmp/stage/py_spy-*.whl
   command -v py-spy || echo "no py-spy: benchmarks run without profiles"
@@ -137,12 +146,30 @@ trl_async() {
   tail -4 "$OUT/trl_async_${server}_trainer.log"
 }
 
+gen_weights() {
+  # item 4 of issue 19: a weight-transfer server (no LoRA) generating with logprobs vs LLM.generate plain, same run
+  log "generation on pushed-weights server vs LLM.generate plain"
+  timeout 300 $PY bench/gen_offline.py --quick --model $M --adapter-dir $A --out "$OUT/gen_offline_quick.json" \
+    2>&1 | tail -20 > "$OUT/gen_offline_quick.log"
+  free_gpu
+  timeout 300 $PY bench/gen_server.py http --weights ipc --model $M --adapter $A --out "$OUT/gen_http_weights.json" \
+    --offline "$OUT/gen_offline_quick.json" 2>&1 | tail -30 > "$OUT/gen_http_weights.log"
+  cp /tmp/grpo-bench-*/server.log "$OUT/gen_http_weights_server.log" 2>/dev/null
+  tail -4 "$OUT/gen_offline_quick.log" "$OUT/gen_http_weights.log"
+}
+
+gpu_share() {
+  log "one GPU, two processes (time slices${MPS:+, and MPS})"
+  timeout 300 $PY bench/gpu_share.py --out "$OUT/gpu_share.json" ${MPS:+--mps} > "$OUT/gpu_share.log" 2>&1
+  grep -E "slowdown|skipped" "$OUT/gpu_share.log"
+}
+
 for phase in "$@"; do
   free_gpu
   case $phase in
     prep) prep ;; weight-transfer-tests) weight_transfer_tests ;; server-tests) server_tests ;; hardening-tests) hardening_tests ;; grpo) grpo ;; gen-offline) gen_offline ;; gen-server) gen_server ;;
     lora-decode) lora_decode ;; trainer-gpu-tests) trainer_gpu_tests ;;
-    trl-async) trl_async ;;
+    trl-async) trl_async ;; gpu-share) gpu_share ;; gen-weights) gen_weights ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done

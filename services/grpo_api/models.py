@@ -1283,10 +1283,12 @@ class TrainerSpec(PodSettings):
     sync: SyncPath = Field(
         default=SyncPath.ADAPTER,
         description="With tuning lora in server mode, what each sync sends. adapter: the adapter, published to "
-        "the shared volume and loaded by the server (vLLM's LoRA kernels at generation). merged: the target "
-        "modules' weights with the adapter merged in (W + scale·BA), pushed like full fine-tuning's "
+        "the shared volume and loaded by the server (vLLM's LoRA kernels at generation). merged: every weight, "
+        "the target modules' with the adapter merged in (W + scale·BA), pushed like full fine-tuning's "
         "(server.weightTransfer), so the server generates on plain weights; checkpoints keep the adapter and "
-        "the last one is published to the volume at the end.",
+        "the last one is published to the volume at the end. On one H200 (ipc, 20 steps, 32 × 256 tokens) "
+        "merged measured 1.68 s a step against 2.03 s with adapter and 2.02 s for TRL colocate (BENCHMARKS.md); "
+        "across GPUs it needs nccl, which needs vLLM in the trainer image.",
     )
     num_generations: int = Field(default=8, ge=2, le=1024, description="Completions per prompt (the group).")
     max_completion_length: int = Field(default=256, ge=1, description="Maximum generated tokens per completion.")
@@ -1333,10 +1335,10 @@ class TrainerSpec(PodSettings):
         default=1, ge=1, le=8,
         description="Batches generated ahead with asyncPrefetch, requested concurrently so the server decodes "
         "them together; each adds one step to the staleness bound (a batch may be generated that many "
-        "versions behind the step that trains on it). With server and trainer on one GPU, depth 2 measured "
-        "1.1-1.7x faster than TRL colocate in short runs (1: 1.0-1.14x), but in a 20-step run with adapter "
-        "syncs every step it was 0.26x, adapter loads and generation slowing each other down, against 0.78x "
-        "with asyncPrefetch off (BENCHMARKS.md, under investigation): measure before raising it.",
+        "versions behind the step that trains on it). It pays when server and trainer have GPUs of their own. "
+        "On one shared GPU the two processes take turns (time slices: a decode-shaped loop ran 2.8x slower "
+        "beside a training loop, 13.6x under MPS), so overlap slows generation and adapter loads: in a 20-step "
+        "run depth 2 was 0.26x TRL colocate's speed against 0.78x with asyncPrefetch off (BENCHMARKS.md).",
     )
     num_nodes: int = Field(
         default=1, ge=1, le=MAX_TRAINER_NODES,
