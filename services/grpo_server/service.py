@@ -474,6 +474,14 @@ class GenerationService:
         finally:
             self._weights_settled.set()
 
+    def lora_config(self) -> dict[str, int] | None:
+        """vLLM's `lora_config` of /server_info: None when the engine runs without LoRA (as vLLM reports it),
+        so a client such as TRL's AsyncGRPOTrainer does not pick the adapter path."""
+        if self.engine is not None and not self.engine.serves_adapters():
+            return None
+        server = self.settings.server
+        return {"max_loras": server.max_loras, "max_lora_rank": server.max_lora_rank}
+
     def weight_transfer_config(self) -> dict[str, str] | None:
         """vLLM's `weight_transfer_config` of /server_info: the engine's backend, None when it takes none."""
         receiver = self.engine.weight_receiver() if self.engine is not None else None

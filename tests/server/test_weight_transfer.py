@@ -84,6 +84,7 @@ def test_the_routes_need_the_token_and_an_initialised_group(server):
     assert started.status_code == 409 and started.json()["error"] == "weight_transfer_not_initialized"
     info = httpx.get(server.url + "/server_info", params={"config_format": "json"}, timeout=30).json()
     assert info["vllm_config"]["weight_transfer_config"] == {"backend": "gloo"}
+    assert info["vllm_config"]["lora_config"]["max_loras"] >= 1  # this engine still runs adapters (on the checkpoint)
     bad = post(server, "/init_weight_transfer_engine", {"init_info": {
         "master_address": "127.0.0.1; rm -rf /", "master_port": 70000, "rank_offset": 0, "world_size": 1}})
     assert bad.status_code in (400, 422)

@@ -128,6 +128,7 @@ def test_the_routes_need_the_token_and_ipc_takes_no_group(server):
         assert post(server, path, {}, auth=False).status_code == 401
     info = httpx.get(server.url + "/server_info", params={"config_format": "json"}, timeout=30).json()
     assert info["vllm_config"]["weight_transfer_config"] == {"backend": "ipc"}
+    assert info["vllm_config"]["lora_config"] is None  # LoRA is off while weights are pushed, as vLLM reports it
     group = post(server, "/init_weight_transfer_engine", {"init_info": {
         "master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2}})
     assert group.status_code == 400 and "init_info.master_address" in group.json()["message"], group.text

@@ -239,6 +239,9 @@ class Engine(Protocol):
         Cancelling the awaiting task aborts the generation in the engine (the client left).
         """
 
+    def serves_adapters(self) -> bool:
+        """Whether the engine runs LoRA adapters (the vllm engine turns LoRA off when it takes whole weights)."""
+
     async def add_adapter(self, adapter: AdapterHandle) -> None:
         """Load an adapter so later requests can use it; raises AdapterLoadError."""
 

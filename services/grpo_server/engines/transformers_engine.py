@@ -145,6 +145,9 @@ class TransformersEngine:
     async def reset_prefix_cache(self) -> bool:
         return True  # no cache outlives a request
 
+    def serves_adapters(self) -> bool:
+        return True  # PEFT adapters on the loaded model, whatever weights it holds
+
     def weight_receiver(self) -> GlooWeightReceiver:
         """vLLM's weight transfer over gloo (see gloo_weights.py)."""
         if self._weights is None:

@@ -185,6 +185,9 @@ class VllmEngine:
         """vLLM's own weight transfer (nccl or ipc) when the engine has a backend, else None (routes answer 501)."""
         return self._weights
 
+    def serves_adapters(self) -> bool:
+        return bool(self._args.enable_lora)
+
     async def add_adapter(self, adapter: AdapterHandle) -> None:
         if not self._args.enable_lora:
             raise AdapterLoadError(f"{adapter.path}: this engine runs without LoRA (it takes whole weights over "

@@ -68,7 +68,7 @@ def router(service: GenerationService) -> APIRouter:
                 "dtype": str(settings.server.dtype),
                 "max_logprobs": MAX_LOGPROBS,
             },
-            "lora_config": {"max_loras": settings.server.max_loras, "max_lora_rank": settings.server.max_lora_rank},
+            "lora_config": service.lora_config(),
             "parallel_config": {
                 "tensor_parallel_size": settings.server.tensor_parallel_size,
                 "data_parallel_size": settings.server.data_parallel_size,
