@@ -70,8 +70,7 @@ class WeightUpdates:
         self._joined = False
         self._updating = False
         self._failed: str | None = None
-        self._staged = 0
-        #: Names received by the open update (`finish` checks them against `required`).
+        #: Names received by the open update (`finish` needs one, and all its receiver `required`).
         self._received: set[str] = set()
         #: In place: the exclusive section the open update holds, from its first tensor to its end.
         self._held: AsyncExitStack | None = None
@@ -144,7 +143,6 @@ class WeightUpdates:
             finally:
                 if self._held is not None:
                     self._arm(receiver)
-            self._staged += len(update.names)
             self._received.update(update.names)
             return self._answer(f"received {len(update.names)} tensor(s)", started, tensors=len(update.names))
 
@@ -158,7 +156,7 @@ class WeightUpdates:
                 raise ApiError(409, "weight_update_failed",
                                f"this update's transfer failed ({failure[:300]}); {self._serving_now()}. "
                                f"{self._again(receiver)}")
-            if self._staged == 0:
+            if not self._received:
                 raise ApiError(409, "weight_update_empty", "no tensor was received since /start_weight_update")
             if missing := receiver.required() - self._received:
                 await self._reset(receiver)
@@ -189,7 +187,7 @@ class WeightUpdates:
                 async with self._exclusive():
                     tensors = await receiver.commit()
                     self._advance(version)
-            self._updating, self._staged = False, 0
+            self._updating = False
             self._received.clear()
             log.info("weights version %d serving: %d tensor(s) replaced in %.3fs", self.version, tensors,
                      time.perf_counter() - started)
@@ -261,7 +259,7 @@ class WeightUpdates:
     async def _reset(self, receiver: WeightReceiver) -> None:
         await self._end_in_place(receiver)
         receiver.discard()
-        self._updating, self._failed, self._staged = False, None, 0
+        self._updating, self._failed = False, None
         self._received.clear()
 
     def _advance(self, version: int | None) -> None:
