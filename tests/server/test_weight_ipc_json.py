@@ -229,3 +229,25 @@ def test_checkpoint_tensors_reads_names_shapes_and_dtypes_from_the_headers(tmp_p
     assert vllm_weights.checkpoint_tensors(tmp_path) == {
         "model.norm.weight": ((8,), "bfloat16"), "lm.w": ((2, 3), "float32")}
     assert vllm_weights.checkpoint_tensors(tmp_path / "none") == {}
+
+
+def test_an_update_must_carry_every_tensor_vllm_loads_and_no_tensor_it_skips(tmp_path):
+    """Older checkpoints hold rotary buffers (`inv_freq`; ColossalAI's cos/sin caches) that vLLM's
+    `load_weights` skips and no trainer sends; a tied `lm_head` is the embedding's."""
+    from safetensors.torch import save_file
+
+    tensors = {"model.embed_tokens.weight": torch.zeros(4, 2), "lm_head.weight": torch.zeros(4, 2),
+               "model.layers.0.self_attn.q_proj.weight": torch.zeros(2, 2),
+               "model.layers.0.self_attn.q_proj.bias": torch.zeros(2),
+               "model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(1),
+               "model.layers.0.self_attn.rotary_emb.cos_cached": torch.zeros(1),
+               "model.layers.0.self_attn.rotary_emb.sin_cached": torch.zeros(1)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    receiver = vllm_weights.VllmWeightReceiver("ipc", lambda: None, tmp_path, lambda: 1)  # type: ignore[arg-type, return-value]
+    loaded = {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+              "model.layers.0.self_attn.q_proj.bias"}
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    assert receiver.required() == loaded
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
+    assert receiver.required() == loaded | {"lm_head.weight"}
+    assert set(receiver.parameters()) == set(tensors)  # an update may still name them

@@ -53,6 +53,10 @@ BACKENDS = ("nccl", "ipc")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: safetensors' dtype names, for `parameters()`.
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+#: Checkpoint tensors vLLM's `load_weights` skips (Llama, Qwen2 and their kin): rotary buffers that older
+#: checkpoints (HF conversions, ColossalAI) saved. No update needs them, and a trainer never sends them
+#: (they are buffers, not parameters).
+NOT_LOADED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 #: vLLM calls that touch no tensor data (start, finish, prefix-cache reset) get this long.
 CALL_TIMEOUT_SECONDS = 600.0
 #: Reading the whole checkpoint again from disk gets this long.
@@ -158,8 +162,9 @@ class VllmWeightReceiver:
         of its tensors is rebuilt on fresh memory, loaded, and copied over the live one, so the tensors it
         was not given (q/k/v biases beside their weights, k of a fused qkv given only q and v) become
         uninitialised memory. Found on the H200: a merged sync that pushed the LoRA target modules' weights
-        alone made the rewards swing between 0.02 and 0.39 from step to step."""
-        names = set(self.parameters())
+        alone made the rewards swing between 0.02 and 0.39 from step to step. Tensors vLLM never loads
+        (`NOT_LOADED`) are not required."""
+        names = {name for name in self.parameters() if not any(part in name for part in NOT_LOADED)}
         if "lm_head.weight" in names and tied_embeddings(self._model_dir):
             names.discard("lm_head.weight")
         return frozenset(names)
