@@ -1349,9 +1349,10 @@ class TrainerSpec(PodSettings):
     )
     num_proc_per_node: int = Field(
         default=1, ge=1, le=MAX_TRAINER_PROCS_PER_NODE,
-        description="Trainer processes per pod, launched with torchrun (one per GPU on a GPU node; gloo on CPU; "
-        "see strategy). Rank 0 alone talks to the server: it gathers every process's prompts, generates them, gives "
-        "each its share, and publishes the adapter.",
+        description="Trainer processes per pod, launched with torchrun (one per GPU on a GPU node: set "
+        "resources.limits nvidia.com/gpu to at least this, or the attempt fails as InvalidSpec before any "
+        "process starts; gloo on CPU; see strategy). Rank 0 alone talks to the server: it gathers every "
+        "process's prompts, generates them, gives each its share, and publishes the adapter.",
     )
     strategy: Strategy = Field(
         default=Strategy.DDP,

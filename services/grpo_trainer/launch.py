@@ -89,8 +89,31 @@ def torchrun_argv(trainer: TrainerSpec, config_path: str | None, env: dict[str, 
     return argv
 
 
+def check_gpus(trainer: TrainerSpec, env: dict[str, str], visible: int) -> None:
+    """On a GPU machine every process of this pod (of this machine, under `grpo run`) needs a GPU of its own:
+    NCCL refuses two ranks on one device. Refused here, before any process starts, naming the fields;
+    a machine without GPUs trains on CPU (gloo) with any number of processes."""
+    if visible == 0:
+        return
+    if env.get(ENV_MASTER_ADDR):
+        needed = trainer.num_proc_per_node
+        if visible < needed:
+            raise InvalidSpec(
+                f"trainer.numProcPerNode: {needed} processes per trainer pod need a GPU each, but the pod sees "
+                f"{visible}: set trainer.resources.limits (nvidia.com/gpu: {needed}) or lower numProcPerNode")
+        return
+    needed = world_size(trainer)
+    if visible < needed:
+        raise InvalidSpec(
+            f"trainer.numNodes × trainer.numProcPerNode: `grpo run` starts {needed} trainer processes on this "
+            f"machine, which needs a GPU each, but it has {visible} (CUDA_VISIBLE_DEVICES)")
+
+
 def launch(trainer: TrainerSpec, config_path: str | None) -> int:
     """Run the processes of this pod under torchrun; how they ended (see `attempt_exit_code`)."""
+    import torch
+
+    check_gpus(trainer, dict(os.environ), torch.cuda.device_count())
     with tempfile.TemporaryDirectory(prefix="grpo-train-") as tmp:
         env = {**os.environ, ENV_EXIT_DIR: tmp}
         argv = torchrun_argv(trainer, config_path, env)

@@ -12,7 +12,7 @@ import pytest
 from grpo_api.models import TrainerSpec
 from grpo_api.runconfig import RunConfig, ServerEndpoints
 from grpo_trainer.errors import InvalidSpec
-from grpo_trainer.launch import attempt_exit_code, left_codes, torchrun_argv, world_size
+from grpo_trainer.launch import attempt_exit_code, check_gpus, left_codes, torchrun_argv, world_size
 from tests.fixtures.server import RunningServer, free_port, start_server
 from tests.trainer.test_trainer_with_server import (
     PUBLISH_LINE,
@@ -40,6 +40,23 @@ def test_torchrun_runs_every_process_here_without_a_rendezvous_address_and_one_p
     for bad in ({"GRPO_MASTER_PORT": "29500; rm -rf /"}, {"GRPO_MASTER_PORT": "70000"}, {"JOB_COMPLETION_INDEX": "3"}):
         with pytest.raises(InvalidSpec, match=next(iter(bad))):
             torchrun_argv(trainer, None, {"GRPO_MASTER_ADDR": "r-trainer-1-0.r-trainer", **bad})
+
+
+def test_on_a_gpu_machine_every_process_needs_a_gpu_of_its_own_and_the_refusal_names_the_fields():
+    """NCCL refuses two ranks on one GPU, and a rank past the last GPU fails with an invalid device ordinal:
+    the launcher refuses first (a configuration problem, no retry). Without GPUs, gloo takes any number."""
+    trainer = TrainerSpec.model_validate({"numNodes": 2, "numProcPerNode": 4})
+    pod = {"GRPO_MASTER_ADDR": "r-trainer-1-0.r-trainer"}
+    check_gpus(trainer, pod, 4)
+    check_gpus(trainer, pod, 8)
+    check_gpus(trainer, pod, 0)
+    with pytest.raises(InvalidSpec, match=r"trainer.numProcPerNode: 4 processes .* sees 3: set "
+                                          r"trainer.resources.limits \(nvidia.com/gpu: 4\)"):
+        check_gpus(trainer, pod, 3)
+    check_gpus(trainer, {}, 8)  # `grpo run`: all 2 × 4 on this machine
+    check_gpus(trainer, {}, 0)
+    with pytest.raises(InvalidSpec, match=r"trainer.numNodes × trainer.numProcPerNode: `grpo run` starts 8 .* has 4"):
+        check_gpus(trainer, {}, 4)
 
 
 def test_the_attempt_ends_with_rank_0_s_code_else_the_lowest_failing_rank_s_else_torchrun_s(tmp_path: Path):
