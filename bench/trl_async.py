@@ -89,6 +89,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_step import LEARNING_RATE, reward_summary
 from workload import dump, machine
 
+from grpo_testmodels.varlen_attention import segment_attention
+
 #: Renders a conversation as its messages' content alone: a plain-text prompt wrapped as one user message
 #: becomes exactly the prompt's own token ids (what our trainer and TRL's GRPOTrainer send for plain text).
 CONTENT_ONLY_CHAT_TEMPLATE = "{%- for message in messages %}{{- message['content'] }}{%- endfor %}"
@@ -479,33 +481,6 @@ def main() -> None:
 # ---------------------------------------------------------------------------------------------------------
 # Trainer child: TRL's AsyncGRPOTrainer, with the shims this machine needs.
 # ---------------------------------------------------------------------------------------------------------
-
-
-def segment_attention(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
-                      max_seqlen_k: int, softmax_scale: float | None = None, causal: bool = True,
-                      window_size: tuple[int, int] = (-1, -1), **_: Any) -> Any:
-    """`flash_attn_varlen_func` in plain PyTorch, one segment at a time (the CPU test's stand-in):
-    (total, heads, dim) layout, causal bottom-right, grouped-query heads."""
-    import torch
-    import torch.nn.functional as F
-
-    if tuple(window_size) != (-1, -1):
-        raise ValueError("segment_attention: no sliding window")
-    out = torch.empty_like(q)
-    groups = q.shape[1] // k.shape[1]
-    for i in range(len(cu_seqlens_q) - 1):
-        qs, qe = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
-        ks, ke = int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
-        query = q[qs:qe].transpose(0, 1)
-        key = k[ks:ke].transpose(0, 1).repeat_interleave(groups, 0)
-        value = v[ks:ke].transpose(0, 1).repeat_interleave(groups, 0)
-        mask = None
-        if causal:  # bottom-right aligned, as FlashAttention does when the key run is longer
-            mask = torch.ones(qe - qs, ke - ks, dtype=torch.bool, device=q.device).tril(
-                diagonal=(ke - ks) - (qe - qs))
-        out[qs:qe] = F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
-                                                    scale=softmax_scale).transpose(0, 1)
-    return out
 
 
 @functools.cache

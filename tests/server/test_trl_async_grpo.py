@@ -7,7 +7,7 @@ Authorization header of its own: `requests` sends the netrc entry, the token as 
 
 What TRL needs of the machine is met for CPU here, none of it on the path to the server:
 - its training forward is tree attention through FlashAttention-3 (`kernels-community/flash-attn3`,
-  fetched from the Hub on first use, CUDA only): `torch_varlen_attention` below stands in for the
+  fetched from the Hub on first use, CUDA only): `grpo_testmodels.varlen_attention` stands in for the
   kernel's `flash_attn_varlen_func` (same layout, causal bottom-right, grouped-query heads);
 - it asks CUDA for the device's peak FLOPS (a logging figure);
 - it requires vLLM installed in the trainer's environment though its rollout worker only speaks HTTP;
@@ -23,38 +23,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from grpo_testmodels import varlen_attention
 from tests.fixtures.server import start_server
 
 pytestmark = pytest.mark.slow
 
 MAX_STEPS = 3
 MAX_STALENESS = 1
-
-
-class TorchVarlenAttention:
-    """FlashAttention's `flash_attn_varlen_func` in plain PyTorch (one segment at a time)."""
-
-    @staticmethod
-    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               softmax_scale=None, causal=True, window_size=(-1, -1), **_):
-        import torch
-        import torch.nn.functional as F
-
-        assert window_size == (-1, -1), "no sliding window in the test model"
-        out = torch.empty_like(q)
-        groups = q.shape[1] // k.shape[1]
-        for i in range(len(cu_seqlens_q) - 1):
-            qs, qe = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
-            ks, ke = int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
-            query = q[qs:qe].transpose(0, 1)
-            key = k[ks:ke].transpose(0, 1).repeat_interleave(groups, 0)
-            value = v[ks:ke].transpose(0, 1).repeat_interleave(groups, 0)
-            mask = None
-            if causal:  # bottom-right aligned, as FlashAttention does when the key run is longer
-                mask = torch.ones(qe - qs, ke - ks, dtype=torch.bool).tril(diagonal=(ke - ks) - (qe - qs))
-            out[qs:qe] = F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
-                                                        scale=softmax_scale).transpose(0, 1)
-        return out
 
 
 def length_reward(completions: list[str], **_: object) -> list[float]:
@@ -76,7 +51,7 @@ def test_trl_async_grpo_trainer_syncs_its_adapter_and_generates_through_grpo_ser
 
     monkeypatch.setattr(trainer_module, "get_peak_flops_per_device", lambda *args, **kwargs: 1e12)
     monkeypatch.setattr(worker_module, "is_vllm_available", lambda *args, **kwargs: True)
-    monkeypatch.setattr(packing_module, "_flash_attn", TorchVarlenAttention)
+    monkeypatch.setattr(packing_module, "_flash_attn", lambda: varlen_attention.KERNEL)
 
     server = start_server(tmp_path / "server", tiny_model_dir, server_overrides={"maxLoraRank": 8, "maxLoras": 4})
     try:
