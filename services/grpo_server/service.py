@@ -55,6 +55,8 @@ from grpo_server.weight_updates import WeightUpdates
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from grpo_api.weight_transfer import WeightTransferResponse
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -271,13 +273,7 @@ class GenerationService:
             raise BadRequest("version is required with path")
         named_version = _version_in(alias)
         try:
-            if self.weights.version > 0 or self.weights.updating:
-                raise AdapterRefusal(
-                    "adapter_base_model_mismatch",
-                    f"the base weights were replaced by weight transfer (weights version {self.weights.version}"
-                    f"{', an update in progress' if self.weights.updating else ''}); adapters are trained on the "
-                    "checkpoint's weights. Use a fresh server for adapters",
-                )
+            self._refuse_replaced_base()
             if ours and request.version is not None:  # a stale trigger need not queue behind a load
                 self.registry.refuse_out_of_order(request.version, request.sha256)
             elif named_version is not None:
@@ -307,6 +303,15 @@ class GenerationService:
                  ", ".join(f"{phase} {value:.3f}s" for phase, value in phases.items()))
         return SetAdapterResponse(adapter=adapter.info, load_seconds=round(seconds, 6), boot_id=self.boot_id)
 
+    def _refuse_replaced_base(self) -> None:
+        if self.weights.version > 0 or self.weights.updating:
+            raise AdapterRefusal(
+                "adapter_base_model_mismatch",
+                f"the base weights were replaced by weight transfer (weights version {self.weights.version}"
+                f"{', an update in progress' if self.weights.updating else ''}); adapters are trained on the "
+                "checkpoint's weights. Use a fresh server for adapters",
+            )
+
     async def _load_and_activate(
         self, engine: Engine, request: SetAdapterRequest, ours: bool, phases: dict[str, float], alias: str | None
     ) -> LoadedAdapter:
@@ -318,8 +323,10 @@ class GenerationService:
             version = _version_in(alias) or self.registry.next_version()
         path = request.path if ours else request.lora_path
         assert path is not None
-        # again under the lock: a higher version may have been accepted while this trigger waited
+        # again under the lock: a higher version may have been accepted while this trigger waited, or a weight
+        # update started or finished (an update finishes under this lock: see finish_weight_update)
         self.registry.refuse_out_of_order(version, request.sha256 if ours else None)
+        self._refuse_replaced_base()
         served = self._served_model()
         started = time.perf_counter()
         checked = await asyncio.to_thread(
@@ -494,6 +501,14 @@ class GenerationService:
                            f"the {self.engine_kind} engine runs without a weight-transfer backend (nccl or ipc: set "
                            "for full fine-tuning runs)")
         return receiver
+
+    async def finish_weight_update(self, version: int | None) -> WeightTransferResponse:
+        """`WeightUpdates.finish` after every adapter load under way: a load checks for an update before it
+        waits for the trigger lock, so one that passed that check just before /start_weight_update may land
+        during the update; `finish` then finds it loaded and drops the update (409 `adapters_loaded`)."""
+        receiver = self.weight_receiver()
+        async with self._trigger_lock:
+            return await self.weights.finish(receiver, version)
 
     def resume(self) -> None:
         self._resumed.set()

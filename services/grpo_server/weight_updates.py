@@ -15,7 +15,10 @@ while the call runs) and `finish`. The rules:
 - versions only move forward, like adapters: 0 is the checkpoint read from disk, each finish is
   the next version above every earlier one (or the one the trainer names, if higher);
 - adapters and replaced base weights do not mix: no update while an adapter is loaded, and no
-  adapter load once the base weights were replaced (they were trained on the checkpoint's).
+  adapter load once the base weights were replaced (they were trained on the checkpoint's). An
+  adapter load checks this before it waits for the engine, so one under way at `start` may land
+  during the update: `finish` runs after every such load (the route holds the adapter lock) and
+  drops the update if one left an adapter loaded (409 `adapters_loaded`).
 
 How the rules hold depends on the receiver (`WeightReceiver.in_place`):
 
@@ -156,6 +159,12 @@ class WeightUpdates:
                 raise ApiError(409, "weight_update_failed",
                                f"this update's transfer failed ({failure[:300]}); {self._serving_now()}. "
                                f"{self._again(receiver)}")
+            if loaded := self._adapters_loaded():  # a load under way at `start` (checked before it) landed since
+                await self._reset(receiver)
+                raise ApiError(409, "adapters_loaded",
+                               f"{loaded} adapter version(s) were loaded during this update; adapters and replaced "
+                               f"base weights do not mix, so the update is dropped ({self._serving_now()}): clear "
+                               "and unload them, or use a fresh server")
             if not self._received:
                 raise ApiError(409, "weight_update_empty", "no tensor was received since /start_weight_update")
             if missing := receiver.required() - self._received:

@@ -6,7 +6,8 @@ order. This is the same exchange over gloo, which runs on CPU: the group is a `P
 a `TCPStore` at the trainer's `master_address:master_port`, this server is rank `rank_offset`.
 Tensors are received into staging buffers on a thread of their own (generation goes on meanwhile)
 and copied into the model on the engine's worker thread at `commit`, so a transfer that fails half
-way leaves the served weights as they were.
+way leaves the served weights as they were. A tensor that arrives with NaN or inf values fails the
+update (400 naming it): served, it would fail every sampled generation.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ T = TypeVar("T")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Prefix of this transfer's keys in the trainer's store (other users of the store keep theirs).
 STORE_PREFIX = GLOO_STORE_PREFIX
+#: Seconds a rendezvous may run past `init_info.timeout_seconds` (torch's own deadlines) before it is given up.
+RENDEZVOUS_GRACE_SECONDS = 5.0
 
 
 async def on_daemon_thread(fn: Callable[[], T], name: str) -> T:
@@ -105,11 +108,16 @@ class GlooWeightReceiver:
             return store, torch.distributed.ProcessGroupGloo(prefixed, rank, group.world_size, limit)
 
         try:
-            self._store, self._group = await on_daemon_thread(rendezvous, "weight-transfer-rendezvous")
-        except Exception as exc:  # DistStoreError, RuntimeError, OSError: all mean no group
+            # torch's TCPStore client waits for the master's answer to its ping without a deadline: a host that
+            # takes the connection and stays silent (a stopped trainer: its kernel still accepts) would hold this
+            # call, and every weight-transfer route behind it, for ever. The thread ends with that connection.
+            self._store, self._group = await asyncio.wait_for(
+                on_daemon_thread(rendezvous, "weight-transfer-rendezvous"), timeout + RENDEZVOUS_GRACE_SECONDS)
+        except Exception as exc:  # DistStoreError, RuntimeError, OSError, TimeoutError: all mean no group
+            why = "no answer" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
             raise WeightTransferError(
                 f"init_info: could not join the trainer's group at {group.master_address}:{group.master_port} as "
-                f"rank {rank} of {group.world_size} within {timeout:g}s: {type(exc).__name__}: {exc}"
+                f"rank {rank} of {group.world_size} within {timeout:g}s: {why}"
             ) from exc
         log.info("joined the weight-transfer group at %s:%d as rank %d of %d (gloo)",
                  group.master_address, group.master_port, rank, group.world_size)
@@ -123,19 +131,36 @@ class GlooWeightReceiver:
             raise WeightTransferError("no weight-transfer group: POST /init_weight_transfer_engine first")
         limit = dt.timedelta(seconds=timeout)
 
-        def run() -> None:
+        def run() -> list[int]:
+            """Receive every tensor (the trainer's broadcasts stay in step); the indices of non-finite ones."""
+            non_finite: list[int] = []
             with self._lock:
-                for name, dtype_name, shape in zip(update.names, update.dtype_names, update.shapes, strict=True):
+                for index, (name, dtype_name, shape) in enumerate(
+                    zip(update.names, update.dtype_names, update.shapes, strict=True)
+                ):
                     tensor = torch.empty(shape, dtype=DTYPES[dtype_name])
                     group.broadcast(tensor, 0, limit).wait()  # type: ignore[attr-defined]  # not in the stubs
+                    if not bool(torch.isfinite(tensor).all()):
+                        non_finite.append(index)
                     self._staged[name] = tensor
+            return non_finite
 
         try:
-            await on_daemon_thread(run, "weight-transfer-receive")
+            non_finite = await on_daemon_thread(run, "weight-transfer-receive")
         except Exception as exc:
             self.discard()
             self.close()  # a broken group cannot carry the next update: the trainer initialises again
             raise WeightTransferError(f"receiving the update's tensors failed: {type(exc).__name__}: {exc}") from exc
+        if non_finite:
+            # served, NaN or inf weights fail every sampled generation (as adapter_checks refuses them in adapters)
+            self.discard()
+            first = non_finite[0]
+            more = f" (and {len(non_finite) - 1} more tensor(s))" if len(non_finite) > 1 else ""
+            raise WeightTransferError(
+                f"update_info.names[{first}]: {update.names[first][:200]!r} arrived with non-finite values (NaN or "
+                f"inf){more}; the update is refused and the weights being served stay",
+                status_code=400, error="weights_invalid",
+            )
 
     async def commit(self) -> int:
         staged, self._staged = self._staged, {}

@@ -86,7 +86,7 @@ def router(service: GenerationService) -> APIRouter:
         return await service.weights.update(service.weight_receiver(), body.update_info)
 
     async def finish_weight_update(body: FinishWeightUpdateRequest | None = None) -> WeightTransferResponse:
-        return await service.weights.finish(service.weight_receiver(), body.version if body else None)
+        return await service.finish_weight_update(body.version if body else None)
 
     for path, endpoint, summary in (
         ("/init_weight_transfer_engine", init_weight_transfer_engine,
