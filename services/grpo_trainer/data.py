@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +24,13 @@ from datasets.table import InMemoryTable
 
 from grpo_api.models import DatasetFormat, DatasetSpec, PromptFormat
 from grpo_trainer.errors import InvalidSpec
+from grpo_trainer.rewards import REWARD_CALL_ARGUMENTS
 
 PROMPT = "prompt"
+
+#: The longest jsonl line read (bytes, with its newline). Each line is read whole into memory, and a sparse file
+#: costs its writer no disk: without a bound, one line of it exhausts the memory of the initializer.
+MAX_LINE_BYTES = 64 * 1024 * 1024
 
 log = logging.getLogger(__name__)
 
@@ -46,16 +53,43 @@ def detect_format(path: Path, declared: DatasetFormat | str) -> DatasetFormat:
     )
 
 
+def _open_regular(path: Path) -> int:
+    """A descriptor of the file, refused unless it is a regular file: opening a FIFO for reading waits for a
+    writer (forever), and a device (/dev/zero) never ends. Non-blocking, so a FIFO cannot hold the open."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise DatasetError(f"spec.dataset.path: {path} is not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _read_jsonl(path: Path, prompt_field: str) -> Dataset:
     rows: list[dict[str, Any]] = []
-    with path.open() as f:
-        for number, line in enumerate(f, start=1):
+    fields: dict[str, None] = {}  # every row's, in order of first appearance
+    with os.fdopen(_open_regular(path), "rb") as f:
+        number = 0
+        while raw := f.readline(MAX_LINE_BYTES + 1):
+            number += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise DatasetError(f"spec.dataset: {path} line {number} is longer than {MAX_LINE_BYTES} bytes")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DatasetError(
+                    f"spec.dataset: {path} line {number}: not UTF-8 text (byte {exc.start + 1} of the line)"
+                ) from exc
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DatasetError(f"spec.dataset: {path} line {number}: not valid JSON: {exc}") from exc
+            except RecursionError as exc:
+                raise DatasetError(f"spec.dataset: {path} line {number}: nested too deeply to read") from exc
             if not isinstance(row, dict):
                 raise DatasetError(
                     f"spec.dataset: {path} line {number}: expected a JSON object, got {type(row).__name__}"
@@ -73,7 +107,13 @@ def _read_jsonl(path: Path, prompt_field: str) -> Dataset:
                     f"spec.dataset.promptField: {path} line {number}: {prompt_field} must be a string or a list "
                     f"of {{role, content}} messages, got {type(prompt).__name__}"
                 )
+            if isinstance(prompt, str) and not prompt.strip():
+                raise DatasetError(f"spec.dataset.promptField: {path} line {number}: the prompt is empty")
+            fields.update(dict.fromkeys(row))
             rows.append(row)
+    # As `load_dataset("json")` reads it: a field some line lacks is null there (Dataset.from_list would take
+    # the first row's fields alone, dropping a later row's extra field).
+    rows = [{key: row.get(key) for key in fields} for row in rows]
     try:
         return Dataset.from_list(rows)
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
@@ -102,10 +142,12 @@ def read_dataset(path: Path, spec: DatasetSpec) -> Dataset:
         if fmt == DatasetFormat.PARQUET:
             return Dataset(InMemoryTable(pq.read_table(path)))
         return _read_saved(path, spec.split)
-    except DatasetError:
+    except (DatasetError, MemoryError):
         raise
     except (OSError, ValueError) as exc:
         raise DatasetError(f"spec.dataset: {path}: cannot read as {fmt.value}: {exc}") from exc
+    except Exception as exc:  # the readers index the file's own metadata (save_to_disk's JSON) as they expect it
+        raise DatasetError(f"spec.dataset: {path}: cannot read as {fmt.value}: {type(exc).__name__}: {exc}") from exc
 
 
 def _is_conversation(value: object) -> bool:
@@ -121,6 +163,8 @@ def prompt_kind(dataset: Dataset, source: str, declared: PromptFormat | str) -> 
     kinds = set()
     for index, value in enumerate(dataset[PROMPT]):
         if isinstance(value, str):
+            if not value.strip():  # no tokens to generate from (the server refuses an empty prompt)
+                raise DatasetError(f"spec.dataset.promptField: {source} row {index}: the prompt is empty")
             kinds.add(PromptFormat.PLAIN)
         elif _is_conversation(value):
             kinds.add(PromptFormat.CONVERSATIONAL)
@@ -155,6 +199,12 @@ def load_prompts(path: Path, spec: DatasetSpec, *, tokenizer: Any, max_prompt_le
             raise DatasetError(f"spec.dataset.promptField is {spec.prompt_field!r} but {source} has a 'prompt' "
                                "column too; rename one")
         dataset = dataset.rename_column(spec.prompt_field, PROMPT)
+    for column in REWARD_CALL_ARGUMENTS:
+        if column in dataset.column_names:
+            raise DatasetError(
+                f"spec.dataset: {source} has a column {column!r}, a name TRL gives an argument of its own when it "
+                "calls the reward functions with the dataset's columns; rename the column"
+            )
     kind = prompt_kind(dataset, source, spec.prompt_format)
     if kind == PromptFormat.CONVERSATIONAL and not getattr(tokenizer, "chat_template", None):
         raise DatasetError(f"spec.dataset: the prompts of {source} are conversations but the model's tokenizer "
@@ -174,7 +224,8 @@ def load_prompts(path: Path, spec: DatasetSpec, *, tokenizer: Any, max_prompt_le
     if len(dataset) < min_rows:
         raise DatasetError(
             f"spec.dataset: {source} has {len(dataset)} usable prompts, but one step needs {min_rows} "
-            "(spec.trainer: perDeviceBatchSize × gradientAccumulationSteps / numGenerations)"
+            "(spec.trainer: perDeviceBatchSize × gradientAccumulationSteps × numNodes × numProcPerNode "
+            "/ numGenerations)"
         )
     return dataset
 

@@ -514,6 +514,7 @@ def check_sources(cfg: RunConfig, reporter: Reporter) -> PrepareResult:
 
     from grpo_trainer.data import load_prompts
     from grpo_trainer.errors import TrainingFailed
+    from grpo_trainer.launch import world_size
     from grpo_trainer.rewards import RewardContext, build_rewards
 
     spec = cfg.spec
@@ -553,7 +554,8 @@ def check_sources(cfg: RunConfig, reporter: Reporter) -> PrepareResult:
             spec.dataset,
             tokenizer=tokenizer,
             max_prompt_length=trainer.max_prompt_length,
-            min_rows=trainer.generation_batch_size // trainer.num_generations,
+            # the prompts of one step of all the trainer's processes, as the trainer (runner) asks
+            min_rows=trainer.generation_batch_size * world_size(trainer) // trainer.num_generations,
         )
     except TrainingFailed as exc:  # its message names the spec.dataset field, the file and the line
         raise PrepareFailed(str(exc), permanent=True) from exc

@@ -2,8 +2,10 @@
 
 All follow TRL's contract: `fn(prompts, completions, completion_ids, **columns,
 trainer_state, ...) -> list[float | None]`, one value per completion. Each is
-wrapped so that a function that raises, or returns the wrong number of values,
-fails the run with the function's name (as written in the spec) in the error.
+wrapped so that a function that raises, or returns the wrong number of values or
+a value that is not a number, fails the run with the function's name (as written
+in the spec) in the error; a user function TRL could not call with the spec's args
+is refused when it is built.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import math
 import re
 import sys
 import traceback
@@ -23,6 +26,12 @@ from grpo_api.models import RewardSpec
 from grpo_trainer.errors import InvalidSpec, RewardFunctionFailed
 
 RewardFunc = Callable[..., Any]
+
+#: What TRL (GRPOTrainer._calculate_rewards) passes to every reward function, by keyword, besides one argument per
+#: dataset column; a column of one of these names would clash with it (TypeError) or be replaced by TRL's value.
+REWARD_CALL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+#: Dataset columns TRL keeps from the reward functions.
+COLUMNS_NOT_PASSED = ("prompt", "completion", "completion_ids")
 
 
 class RewardConfigError(InvalidSpec):
@@ -53,15 +62,17 @@ def completion_text(completion: Any) -> str:
 
 def exact_match(
     completions: list[Any], *, column: str = "answer", strip: bool = True, **kwargs: Any
-) -> list[float]:
-    """1.0 when the completion equals the row's answer column, else 0.0."""
+) -> list[float | None]:
+    """1.0 when the completion equals the row's answer column, else 0.0; None (no reward) for a row whose
+    answer is null (a JSONL line without the field)."""
     answers = kwargs[column]
 
     def norm(text: str) -> str:
         return text.strip() if strip else text
 
     return [
-        1.0 if norm(completion_text(c)) == norm(str(a)) else 0.0 for c, a in zip(completions, answers, strict=True)
+        None if a is None else 1.0 if norm(completion_text(c)) == norm(str(a)) else 0.0
+        for c, a in zip(completions, answers, strict=True)
     ]
 
 
@@ -97,6 +108,21 @@ def _require_int(args: dict[str, Any], key: str, where: str) -> int:
     return value
 
 
+def _optional_bool(args: dict[str, Any], key: str, default: bool, where: str) -> bool:
+    """A flag as written (YAML true/false): bool("false") would be True."""
+    value = args.get(key, default)
+    if not isinstance(value, bool):
+        raise RewardConfigError(f"{where}.args.{key} must be true or false, got {value!r}")
+    return value
+
+
+def _require_str(args: dict[str, Any], key: str, where: str) -> str:
+    value = args[key]
+    if not isinstance(value, str):
+        raise RewardConfigError(f"{where}.args.{key} must be a string, got {value!r}")
+    return value
+
+
 def _check_args(args: dict[str, Any], allowed: set[str], where: str) -> None:
     unknown = sorted(set(args) - allowed)
     if unknown:
@@ -111,7 +137,7 @@ def _build_exact_match(args: dict[str, Any], ctx: RewardContext, where: str) -> 
             f"{where} exact_match compares with column {column!r}, which the dataset lacks "
             f"(columns: {', '.join(ctx.dataset_columns)}); set {where}.args.column"
         )
-    return functools.partial(exact_match, column=column, strip=bool(args.get("strip", True)))
+    return functools.partial(exact_match, column=column, strip=_optional_bool(args, "strip", True, where))
 
 
 def _build_regex_match(args: dict[str, Any], ctx: RewardContext, where: str) -> RewardFunc:
@@ -119,10 +145,10 @@ def _build_regex_match(args: dict[str, Any], ctx: RewardContext, where: str) -> 
     if "pattern" not in args:
         raise RewardConfigError(f"{where}.args.pattern is required for regex_match")
     try:
-        pattern = re.compile(str(args["pattern"]))
+        pattern = re.compile(_require_str(args, "pattern", where))
     except re.error as exc:
         raise RewardConfigError(f"{where}.args.pattern is not a valid regular expression: {exc}") from exc
-    return functools.partial(regex_match, pattern=pattern, fullmatch=bool(args.get("fullmatch", False)))
+    return functools.partial(regex_match, pattern=pattern, fullmatch=_optional_bool(args, "fullmatch", False, where))
 
 
 def _build_length_penalty(args: dict[str, Any], ctx: RewardContext, where: str) -> RewardFunc:
@@ -201,7 +227,54 @@ def import_user_function(path: str, search_paths: Sequence[Path], where: str) ->
     return func
 
 
+def check_callable(func: RewardFunc, args: dict[str, Any], ctx: RewardContext, where: str, path: str) -> None:
+    """Refuse, before training, a user function TRL cannot call with the spec's args: TRL passes
+    REWARD_CALL_ARGUMENTS and one keyword per dataset column, so a function without **kwargs, or one that needs
+    an argument nobody passes, would fail at every call of the first step (a retried, not a configuration,
+    failure); and an arg of a name TRL passes would be silently replaced on every call."""
+    passed = [*REWARD_CALL_ARGUMENTS, *(c for c in ctx.dataset_columns if c not in COLUMNS_NOT_PASSED)]
+    for key in args:
+        if key in passed:
+            raise RewardConfigError(
+                f"{where}.args.{key}: the trainer passes {key!r} to the function on every call "
+                f"({'a dataset column' if key not in REWARD_CALL_ARGUMENTS else 'an argument of TRL'}), which "
+                "would replace this value; rename the argument"
+            )
+    try:
+        signature = inspect.signature(func, follow_wrapped=False)  # a decorator may filter what it passes on
+    except (TypeError, ValueError):  # no signature to check (some built-in callables)
+        return
+    try:
+        signature.bind(**dict.fromkeys([*passed, *args]))
+    except TypeError as exc:
+        raise RewardConfigError(
+            f"{where}.function {path!r}: cannot be called as the trainer calls reward functions ({exc}): by "
+            f"keyword, with {', '.join(passed)}{', ' if args else ''}{', '.join(args)}; take **kwargs for "
+            "those it does not use"
+        ) from exc
+
+
 # -------------------------------------------------------------------------------------------- wrapping
+
+
+def _reward_value(name: str, index: int, value: Any) -> float | None:
+    """None, or a real number that is not infinite (NaN, like None, is no reward to TRL)."""
+    if value is None:
+        return None
+    number: float | None = None
+    if not isinstance(value, str | bytes | complex):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = None
+    if number is None or math.isinf(number):
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise RewardFunctionFailed(
+            f"reward function {name!r} returned {shown} ({type(value).__name__}) at {index}: each reward must be "
+            "a number (not infinite), or None for no reward"
+        )
+    return number
 
 
 def _check_output(name: str, output: Any, expected: int) -> list[float | None]:
@@ -213,7 +286,7 @@ def _check_output(name: str, output: Any, expected: int) -> list[float | None]:
         raise RewardFunctionFailed(
             f"reward function {name!r} returned {len(output)} rewards for {expected} completions"
         )
-    return list(output)
+    return [_reward_value(name, index, value) for index, value in enumerate(output)]
 
 
 def _is_async(func: RewardFunc) -> bool:
@@ -264,6 +337,7 @@ def build_rewards(
         where = f"spec.rewards[{index}]"
         if ":" in spec.function:
             func = import_user_function(spec.function, search_paths, where)
+            check_callable(func, spec.args, ctx, where, spec.function)
             if spec.args:
                 func = functools.partial(func, **spec.args)
         elif spec.function in BUILTINS:
