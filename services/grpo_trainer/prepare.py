@@ -3,7 +3,9 @@
 1. writes `spec.rewardCode.inline` into `sources.inline_rewards_dir` (`grpo run` only);
 2. fetches every hf:// source (`sources.fetches`) onto the volume, resumably: files already complete
    (per huggingface_hub's local-dir metadata) are not downloaded again, a failed run keeps the files
-   it finished;
+   it finished; the endpoint is not trusted: a file list no repository has, a file going past the size
+   the list announces, or a file not at the resolved commit fails the fetch, and the token is never sent
+   to another host than the endpoint;
 3. checks what the server and trainer will read, in their order: the model directory and its
    tokenizer, the dataset (as the trainer loads it), the reward functions (imported as the trainer
    imports them);
@@ -29,8 +31,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from pathlib import Path
-from typing import IO, Any, cast
+from pathlib import Path, PureWindowsPath
+from typing import IO, TYPE_CHECKING, Any, cast
+from urllib.parse import urlsplit
 
 from grpo_api import exit_codes
 from grpo_api.fingerprint import model_fingerprint
@@ -46,12 +49,19 @@ from grpo_api.prepare_protocol import (
 from grpo_api.runconfig import RunConfig, RunConfigError, load_run_config
 from grpo_api.sources import HubFetch
 
+if TYPE_CHECKING:
+    import httpx
+
 #: At most one throttled progress line per fetch this often (a finished file always gets one).
 PROGRESS_INTERVAL_S = 5.0
 #: Files downloaded in parallel per repository (huggingface_hub's snapshot_download uses 8 too).
 FETCH_WORKERS = 8
 #: Written into local_dir after a complete fetch: lets a later run start while the hub is unreachable.
 FETCH_RECORD = ".cache/grpo-fetch.json"
+#: Read timeout of the file-list call (huggingface_hub sets none: an endpoint that never answers would hang the run).
+HUB_API_TIMEOUT_S = 60.0
+
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 _MODULE_FILE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,100}\.py")
 
@@ -60,6 +70,15 @@ class PrepareFailed(Exception):
     """The run cannot start; permanent: no retry fixes it (exit 2), else transient (exit 1)."""
 
     def __init__(self, message: str, *, permanent: bool) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+
+
+class HubAnswerRefused(Exception):
+    """Raised inside huggingface_hub's download of one file: the endpoint's answer is refused (the message says
+    why); permanent unless said otherwise."""
+
+    def __init__(self, message: str, *, permanent: bool = True) -> None:
         super().__init__(message)
         self.permanent = permanent
 
@@ -194,6 +213,8 @@ def classify_hub_error(exc: BaseException) -> HubErrorInfo:
     )
 
     for error in _causes(exc):
+        if isinstance(error, HubAnswerRefused):
+            return HubErrorInfo(error.permanent, str(error))
         if isinstance(error, HfHubHTTPError):
             response = getattr(error, "response", None)
             status = getattr(response, "status_code", None)
@@ -273,6 +294,42 @@ def token_for(fetch: HubFetch) -> str | bool | None:
     return False if fetch.endpoint else None
 
 
+#: Each hub token and the hosts it may be sent to (its endpoint's): huggingface_hub sends the token wherever a
+#: Xet refresh route or a redirect to a Hugging Face host points, both of which the endpoint chooses.
+_TOKEN_HOSTS: dict[str, frozenset[str]] = {}
+_TOKEN_HOSTS_LOCK = threading.Lock()
+
+
+def _token_hosts(endpoint: str) -> frozenset[str]:
+    from huggingface_hub import constants
+
+    host = (urlsplit(endpoint).hostname or "").lower()
+    return frozenset(constants.HF_URL_HOSTS) if host in constants.HF_URL_HOSTS else frozenset({host})
+
+
+def _refuse_token_elsewhere(request: httpx.Request) -> None:
+    """A request hook on huggingface_hub's HTTP client: a request carrying a fetch's token to another host than
+    that fetch's endpoint is not sent."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        return
+    with _TOKEN_HOSTS_LOCK:
+        hosts = _TOKEN_HOSTS.get(token)
+    host = (request.url.host or "").lower()
+    if hosts is not None and host not in hosts:
+        raise HubAnswerRefused(f"the endpoint sends the client, with the token, to another host ({host}); refused")
+
+
+def _guard_token(token: str, endpoint: str) -> None:
+    from huggingface_hub.utils import get_session
+
+    with _TOKEN_HOSTS_LOCK:
+        _TOKEN_HOSTS[token] = _TOKEN_HOSTS.get(token, frozenset()) | _token_hosts(endpoint)
+    hooks = get_session().event_hooks["request"]
+    if _refuse_token_elsewhere not in hooks:
+        hooks.append(_refuse_token_elsewhere)
+
+
 class FetchProgress:
     """Files and bytes done of one repository; a progress line at each finished file and at most every
     PROGRESS_INTERVAL_S in between."""
@@ -285,9 +342,12 @@ class FetchProgress:
         *,
         interval: float = PROGRESS_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
+        limits: dict[str, int | None] | None = None,
     ) -> None:
         self.label = label
         self.sizes = sizes
+        #: the most bytes a file may have: what the file list announces (None: unknown, no bound)
+        self.limits = limits if limits is not None else {}
         self.reporter = reporter
         self.interval = interval
         self.clock = clock
@@ -340,7 +400,8 @@ class FetchProgress:
 
 
 class _FileBar:
-    """The tqdm surface huggingface_hub 1.33 uses in http_get and xet_get."""
+    """The tqdm surface huggingface_hub 1.33 uses in http_get and xet_get. It sees every chunk before it is
+    written, so it stops a file that goes on past the size the file list announces."""
 
     def __init__(self, progress: FetchProgress, name: str, *, total: int | None = None, initial: int = 0,
                  **_: Any) -> None:
@@ -349,6 +410,10 @@ class _FileBar:
         self.total = total
         self.n = initial
         self.format_dict: dict[str, Any] = {}
+        self.limit = progress.limits.get(name)
+        if self.limit is not None and total is not None and total > self.limit:
+            raise HubAnswerRefused(f"the endpoint sends {total} bytes, more than the {self.limit} bytes its file "
+                                   "list announces")
         if initial:
             progress.add(name, initial)
 
@@ -360,6 +425,8 @@ class _FileBar:
 
     def update(self, n: float | None = 1) -> None:
         self.n += int(n or 0)
+        if self.limit is not None and self.n > self.limit:
+            raise HubAnswerRefused(f"the endpoint sends more than the {self.limit} bytes its file list announces")
         self.progress.add(self.name, n or 0)
 
     def update_transfer(self, n: float | None = 1) -> None:
@@ -419,6 +486,52 @@ def complete_copy(fetch: HubFetch) -> str | None:
     return commit if isinstance(commit, str) else None
 
 
+def _download_metadata(local_dir: Path, name: str) -> str | None:
+    """huggingface_hub's metadata of one file of local_dir (its commit, etag and time, one a line), read as is:
+    huggingface_hub's reader ignores it when the file's mtime is ahead of it (a file server's clock)."""
+    from huggingface_hub._local_folder import get_local_download_paths
+
+    try:
+        return get_local_download_paths(local_dir, name).metadata_path.read_text()
+    except (OSError, ValueError):
+        return None
+
+
+def _listed_files(
+    label: str, endpoint: str, siblings: list[Any]
+) -> tuple[dict[str, int | None], dict[str, int | None]]:
+    """The files a repository's listing names and their sizes, and the most bytes each may have; refuses
+    (permanent) a listing no repository has: a malformed entry, a name outside the local dir, in its bookkeeping
+    folder (.cache/: huggingface_hub's metadata and FETCH_RECORD; the Hub refuses such files) or that the local
+    file system cannot hold."""
+    sizes: dict[str, int | None] = {}
+    limits: dict[str, int | None] = {}
+    for sibling in siblings:
+        name, size = getattr(sibling, "rfilename", None), getattr(sibling, "size", None)
+        lfs_size = getattr(getattr(sibling, "lfs", None), "size", None)
+        if not isinstance(name, str) or not all(v is None or (type(v) is int and v >= 0) for v in (size, lfs_size)):
+            raise PrepareFailed(f"{label}: the endpoint {endpoint} lists a malformed file entry (name {name!r}, "
+                                f"size {size!r})", permanent=True)
+        sizes[name] = size
+        known = [v for v in (size, lfs_size) if v is not None]
+        limits[name] = max(known) if known else None
+    folders = {"/".join(name.split("/")[:i]) for name in sizes for i in range(1, name.count("/") + 1)}
+    for name in sizes:
+        parts = name.split("/")
+        if (not name or name.startswith("/") or "\\" in name or ".." in parts
+                or any(PureWindowsPath(part).drive for part in parts)):
+            raise PrepareFailed(f"{label}: the endpoint {endpoint} lists a file outside the repository: {name!r}",
+                                permanent=True)
+        why = ("its name has a NUL byte" if "\0" in name
+               else "it is in .cache/, where the local copy keeps its records" if parts[0] == ".cache"
+               else "a file and a folder cannot have one name" if name in folders
+               else None)
+        if why:
+            raise PrepareFailed(f"{label}: the endpoint {endpoint} lists a file no repository can have ({why}): "
+                                f"{name!r}", permanent=True)
+    return sizes, limits
+
+
 def fetch_repository(fetch: HubFetch, reporter: Reporter, *, workers: int = FETCH_WORKERS) -> None:
     """Download one hf:// repository into fetch.local_dir; files already there at this commit are kept."""
     from huggingface_hub import HfApi, hf_hub_download
@@ -426,12 +539,14 @@ def fetch_repository(fetch: HubFetch, reporter: Reporter, *, workers: int = FETC
     token = token_for(fetch)
     if isinstance(token, str):
         reporter.add_secret(token)
+        _guard_token(token, _endpoint(fetch))
     label, endpoint = _label(fetch), _endpoint(fetch)
     local_dir = Path(fetch.local_dir)
     reporter.progress(f"{label}: resolving at {endpoint}")
     api = HfApi(endpoint=endpoint, token=token)
     try:
-        info = api.repo_info(fetch.repo_id, revision=fetch.revision, repo_type=fetch.repo_type, files_metadata=True)
+        info = api.repo_info(fetch.repo_id, revision=fetch.revision, repo_type=fetch.repo_type, files_metadata=True,
+                             timeout=HUB_API_TIMEOUT_S)
     except Exception as exc:
         failure = hub_failure(fetch, exc)
         commit = None if failure.permanent else complete_copy(fetch)
@@ -442,17 +557,16 @@ def fetch_repository(fetch: HubFetch, reporter: Reporter, *, workers: int = FETC
         return
     commit = info.sha
     siblings = getattr(info, "siblings", None)
-    if not commit or siblings is None:
+    if not commit or not isinstance(commit, str) or not isinstance(siblings, list):
         raise PrepareFailed(
             f"{label}: the endpoint {endpoint} answered without a commit or a file list; is it a Hugging Face hub?",
             permanent=True,
         )
-    sizes: dict[str, int | None] = {s.rfilename: s.size for s in siblings}
-    for name in sizes:
-        if not name or name.startswith("/") or "\\" in name or ".." in name.split("/"):
-            raise PrepareFailed(f"{label}: the endpoint {endpoint} lists a file outside the repository: {name!r}",
-                                permanent=True)
-    progress = FetchProgress(label, sizes, reporter)
+    if _COMMIT.fullmatch(fetch.revision) and commit != fetch.revision:
+        raise PrepareFailed(f"{label}: the endpoint {endpoint} answers that commit with another one, {commit}",
+                            permanent=True)
+    sizes, limits = _listed_files(label, endpoint, siblings)
+    progress = FetchProgress(label, sizes, reporter, limits=limits)
     reporter.progress(progress.message())
     try:
         local_dir.mkdir(parents=True, exist_ok=True)
@@ -465,6 +579,7 @@ def fetch_repository(fetch: HubFetch, reporter: Reporter, *, workers: int = FETC
             _record_path(local_dir).unlink()
 
     def download(name: str) -> None:
+        before = _download_metadata(local_dir, name)
         hf_hub_download(
             fetch.repo_id,
             name,
@@ -475,6 +590,15 @@ def fetch_repository(fetch: HubFetch, reporter: Reporter, *, workers: int = FETC
             token=token,
             tqdm_class=cast(Any, progress.bar(name)),
         )
+        # huggingface_hub keeps the file on disk, whatever its commit, when the endpoint does not answer for it
+        after = _download_metadata(local_dir, name)
+        served = after.split("\n", 1)[0].strip() if after else None
+        if served != commit:
+            if served and after != before:
+                raise HubAnswerRefused(f"the endpoint serves it at commit {served[:12]}, not at {commit[:12]}, the "
+                                       f"commit it resolved {fetch.revision} to")
+            raise HubAnswerRefused(f"the endpoint did not confirm it at commit {commit[:12]}; the file on the "
+                                   "volume is of another commit", permanent=False)
         progress.finish(name)
 
     errors: list[tuple[str, BaseException]] = []

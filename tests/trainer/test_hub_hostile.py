@@ -1,0 +1,364 @@
+"""`grpo prepare`'s hub fetch against an endpoint that misbehaves on purpose: it chooses the file list, the names,
+the sizes, the headers, the bodies and the redirects. Each test drives the real huggingface_hub client against a
+local HTTP server (tests/fixtures/hub.py's FakeHub, with the hostile answers added here)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from grpo_api.sources import HubFetch
+from grpo_trainer import prepare
+from grpo_trainer.prepare import PrepareFailed, Reporter, fetch_repository
+from tests.fixtures.hub import FakeHub, Repo, Request, etag_of, make_handler, running_hub
+
+TOKEN = "hf_hostile_TOKEN_0123456789"
+TOKEN_ENV = "GRPO_TEST_HUB_TOKEN"
+MiB = 1024 * 1024
+
+
+@pytest.fixture(autouse=True)
+def online_to_the_fake_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hack/test.sh sets HF_HUB_OFFLINE=1; these tests reach only local servers, as an initializer pod would."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+
+
+@dataclass
+class HostileHub(FakeHub):
+    """A FakeHub with the answers of a hostile endpoint switched on per test."""
+
+    listing: list[Any] | None = None  # the API's "siblings", verbatim
+    sha: Any = None  # the API's "sha", instead of the repository's commit
+    aliases: dict[str, str] = field(default_factory=dict)  # revision asked -> revision answered
+    fail_head: dict[str, int] = field(default_factory=dict)  # file -> how many HEADs answer 500
+    redirect_head: dict[str, str] = field(default_factory=dict)  # file -> where its HEAD redirects (302)
+    file_headers: dict[str, dict[str, str]] = field(default_factory=dict)  # file -> headers set on HEAD and GET
+    oversize: dict[str, tuple[int, bool]] = field(default_factory=dict)  # file -> (bytes a GET sends, chunked)
+    sent: dict[str, int] = field(default_factory=dict)  # file -> bytes the oversized GET got out
+    hang_api: threading.Event | None = None  # set: API calls get no answer until it is set
+
+
+def hostile_handler(hub: HostileHub) -> type:
+    class Handler(make_handler(hub)):  # type: ignore[misc]
+        path: str
+        _extra: dict[str, str]
+
+        def _send(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
+            super()._send(status, body, {**(headers or {}), **self._extra})
+
+        def _handle(self) -> None:
+            self._extra = {}
+            raw = urlsplit(self.path).path
+            for asked, answered in hub.aliases.items():
+                self.path = self.path.replace(f"/revision/{asked}", f"/revision/{answered}")
+            if raw.startswith("/api/") and (hub.hang_api is not None or hub.listing is not None or hub.sha):
+                with hub.lock:
+                    hub.requests.append(Request(self.command, raw, self.headers.get("Authorization"), None))
+                if hub.hang_api is not None:
+                    hub.hang_api.wait(30)
+                    self.close_connection = True
+                    return None
+                repo = next(iter(hub.repos.values()))
+                siblings = hub.listing if hub.listing is not None else [
+                    {"rfilename": name, "size": len(data)} for name, data in repo.files.items()]
+                body = json.dumps({"id": repo.repo_id, "sha": hub.sha or repo.commit, "siblings": siblings})
+                return self._send(200, body.encode(), {"Content-Type": "application/json"})
+            super()._handle()
+
+        def _file(self, repo: Repo, name: str) -> None:
+            self._extra = hub.file_headers.get(name, {})
+            if self.command == "HEAD":
+                with hub.lock:
+                    failing = hub.fail_head.get(name, 0) > 0
+                    if failing:
+                        hub.fail_head[name] -= 1
+                if failing:
+                    return self._error(500, message="Internal Error")
+                if name in hub.redirect_head:
+                    return self._send(302, b"", {"Location": hub.redirect_head[name]})
+            elif name in hub.oversize:
+                return self._oversized(repo, name, *hub.oversize[name])
+            return super()._file(repo, name)
+
+        def _oversized(self, repo: Repo, name: str, total: int, chunked: bool) -> None:
+            """A GET that sends `total` bytes of a file the listing and the HEAD announce far smaller."""
+            self.send_response(200)
+            self.send_header("ETag", f'"{etag_of(repo.files[name])}"')
+            self.send_header("X-Repo-Commit", repo.commit)
+            if chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+            else:
+                self.send_header("Content-Length", str(total))
+            self.end_headers()
+            block, sent = b"x" * MiB, 0
+            try:
+                while sent < total:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(block), block) if chunked else block)
+                    sent += len(block)
+                    with hub.lock:
+                        hub.sent[name] = sent
+                if chunked:
+                    self.wfile.write(b"0\r\n\r\n")
+            except OSError:  # the client hung up
+                pass
+            self.close_connection = True
+
+    return Handler
+
+
+@contextlib.contextmanager
+def serving(hub: FakeHub, handler: type, host: str = "127.0.0.1") -> Iterator[FakeHub]:
+    server = ThreadingHTTPServer((host, 0), handler)
+    server.daemon_threads = True
+    hub.url = f"http://{host}:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield hub
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def hub() -> Iterator[HostileHub]:
+    fake = HostileHub()
+    with serving(fake, hostile_handler(fake)):
+        try:
+            yield fake
+        finally:
+            if fake.hang_api is not None:
+                fake.hang_api.set()
+
+
+@pytest.fixture
+def other_host() -> Iterator[FakeHub]:
+    """Another server, on another host than the endpoint (127.0.0.2): it must never see the token."""
+    with running_hub(host="127.0.0.2") as other:
+        yield other
+
+
+def hub_fetch(hub: FakeHub, tmp_path: Path, *, repo: str = "org/m", revision: str = "main") -> HubFetch:
+    return HubFetch(field="spec.model.source", repo_id=repo, revision=revision, repo_type="model",
+                    local_dir=str(tmp_path / "hub" / repo / revision), token_env=TOKEN_ENV, endpoint=hub.url)
+
+
+def fetch(target: HubFetch) -> Reporter:
+    reporter = Reporter(out=io.StringIO(), err=io.StringIO())
+    fetch_repository(target, reporter)
+    return reporter
+
+
+def failure(target: HubFetch) -> PrepareFailed:
+    with pytest.raises(PrepareFailed) as info:
+        fetch(target)
+    assert info.value.args[0].startswith(f"spec.model.source hf://{target.repo_id}@{target.revision}: ")
+    assert TOKEN not in str(info.value)
+    return info.value
+
+
+FILES = {"config.json": b'{"model_type": "x"}', "weights.bin": b"w" * 4096}
+
+
+# ------------------------------------------------------------------------------------------------ the file list
+
+
+def test_a_listed_file_in_the_local_bookkeeping_folder_is_refused_and_cannot_forge_the_record(
+    hub: HostileHub, tmp_path: Path,
+) -> None:
+    """`.cache/` of the local dir holds huggingface_hub's metadata and the record of a complete copy (which a run
+    trusts when the hub is unreachable); a hub never lists files there (huggingface_hub refuses to upload them)."""
+    target = hub_fetch(hub, tmp_path)
+    forged = {"repoId": "org/m", "repoType": "model", "revision": "main", "commit": "f" * 40, "files": []}
+    hub.add("org/m", {**FILES, ".cache/grpo-fetch.json": json.dumps(forged).encode()})
+    hub.fail_get["weights.bin"] = 100
+
+    first = failure(target)
+    assert first.permanent, first
+    assert "'.cache/grpo-fetch.json'" in str(first)
+    assert hub.file_requests() == []
+    hub.api_status = 503  # the hub is now unreachable: only a complete copy on record may stand in for it
+    assert not failure(target).permanent
+
+
+@pytest.mark.parametrize(
+    ("listing", "shown"),
+    [
+        ([{"rfilename": "config.json", "size": 2}, {"rfilename": "we\x00ights.bin", "size": 1}], r"'we\x00ights.bin'"),
+        ([{"rfilename": "config.json", "size": 2}, {"rfilename": "C:weights.bin", "size": 1}], "'C:weights.bin'"),
+        ([{"rfilename": "config.json", "size": 2}, {"rfilename": "config.json/x", "size": 1}], "'config.json'"),
+        ([{"rfilename": "config.json", "size": 2}, {"rfilename": 5, "size": 1}], "5"),
+        ([{"rfilename": "config.json", "size": "big"}], "'big'"),
+    ],
+    ids=["NUL", "drive", "file and folder", "name not text", "size not a number"],
+)
+def test_a_file_list_that_names_no_repository_file_is_permanent_before_any_download(
+    hub: HostileHub, tmp_path: Path, listing: list[Any], shown: str,
+) -> None:
+    hub.add("org/m", {"config.json": b"{}", "config.json/x": b"x", "C:weights.bin": b"w", "we\x00ights.bin": b"w"})
+    hub.listing = listing
+
+    failed = failure(hub_fetch(hub, tmp_path))
+
+    assert failed.permanent, failed
+    assert shown in str(failed) and hub.url in str(failed)
+    assert hub.file_requests() == []
+
+
+def test_an_answer_whose_commit_is_not_text_is_permanent(hub: HostileHub, tmp_path: Path) -> None:
+    hub.add("org/m", FILES)
+    hub.sha = 1234
+
+    failed = failure(hub_fetch(hub, tmp_path))
+
+    assert failed.permanent, failed
+    assert "answered without a commit or a file list" in str(failed)
+    assert hub.file_requests() == []
+
+
+# -------------------------------------------------------------------------------------------------- the token
+
+
+@pytest.mark.parametrize("route", ["xet refresh route", "redirect to a Hugging Face host"])
+def test_the_token_never_goes_to_another_host(
+    hub: HostileHub, other_host: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, route: str,
+) -> None:
+    repo = hub.add("org/m", FILES)
+    if route == "xet refresh route":
+        # huggingface_hub asks the refresh route for a Xet access token, with the request's headers
+        hub.file_headers["weights.bin"] = {"X-Xet-Hash": "ab" * 32,
+                                           "X-Xet-Refresh-Route": f"{other_host.url}/api/models/org/m/xet-read-token"}
+    else:
+        # huggingface_hub follows a HEAD redirect to a Hugging Face host with the token; 127.0.0.2 plays one here
+        import huggingface_hub.constants
+
+        monkeypatch.setattr(huggingface_hub.constants, "HF_URL_HOSTS",
+                            huggingface_hub.constants.HF_URL_HOSTS | {"127.0.0.2"})
+        other_host.add("org/m", FILES)
+        hub.redirect_head["weights.bin"] = f"{other_host.url}/org/m/resolve/{repo.commit}/weights.bin"
+
+    try:
+        fetch(hub_fetch(hub, tmp_path))
+    except PrepareFailed as exc:
+        failed: PrepareFailed | None = exc
+    else:
+        failed = None
+
+    assert [r for r in other_host.requests if r.authorization] == []
+    assert failed is not None and failed.permanent, failed
+    assert "weights.bin" in str(failed) and "127.0.0.2" in str(failed)
+    assert all(r.authorization == f"Bearer {TOKEN}" for r in hub.requests)
+
+
+# ------------------------------------------------------------------------------------------------------ sizes
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["endless chunked body", "larger Content-Length"])
+def test_a_body_larger_than_the_file_list_announces_is_cut_off(
+    hub: HostileHub, tmp_path: Path, chunked: bool,
+) -> None:
+    """The file list is the hub's word on each size: a model of hundreds of GB is announced as such; a file that
+    goes on past its announced size must not fill the volume (which the runs of the claim share)."""
+    hub.add("org/m", FILES)
+    hub.oversize["weights.bin"] = (64 * MiB, chunked)
+    target = hub_fetch(hub, tmp_path)
+
+    failed = failure(target)
+
+    assert failed.permanent, failed
+    assert "weights.bin: " in str(failed) and "4096 bytes" in str(failed)
+    assert hub.sent.get("weights.bin", 0) < 48 * MiB  # the client hung up, long before the end
+    assert not (Path(target.local_dir) / "weights.bin").exists()
+    assert (Path(target.local_dir) / "config.json").read_bytes() == FILES["config.json"]
+
+
+# ---------------------------------------------------------------------------------------------------- commits
+
+
+def test_a_file_the_endpoint_does_not_confirm_at_the_new_commit_is_not_taken_from_the_old_copy(
+    hub: HostileHub, tmp_path: Path,
+) -> None:
+    """A branch moved; the HEAD of a changed file fails: huggingface_hub then falls back to the file on disk (the
+    old commit's), which must not pass for the new commit's."""
+    hub.add("org/m", FILES)
+    target = hub_fetch(hub, tmp_path)
+    fetch(target)
+    moved = {**FILES, "config.json": b'{"model_type": "y"}'}
+    new_commit = hub.add("org/m", moved).commit
+    hub.fail_head["config.json"] = 1
+    record = Path(target.local_dir) / ".cache" / "grpo-fetch.json"
+
+    failed = failure(target)
+
+    assert not failed.permanent, failed
+    assert "config.json: " in str(failed) and new_commit[:12] in str(failed)
+    assert not record.exists()
+    fetch(target)  # the next attempt gets it
+    assert (Path(target.local_dir) / "config.json").read_bytes() == moved["config.json"]
+    assert json.loads(record.read_text())["commit"] == new_commit
+
+
+def test_a_file_served_at_another_commit_than_resolved_is_refused(hub: HostileHub, tmp_path: Path) -> None:
+    repo = hub.add("org/m", FILES)
+    hub.file_headers["weights.bin"] = {"X-Repo-Commit": "e" * 40}
+    target = hub_fetch(hub, tmp_path)
+
+    failed = failure(target)
+
+    assert failed.permanent, failed
+    assert "weights.bin: " in str(failed) and "e" * 12 in str(failed) and repo.commit[:12] in str(failed)
+    assert not (Path(target.local_dir) / ".cache" / "grpo-fetch.json").exists()
+
+
+def test_a_pinned_commit_resolved_to_another_commit_is_refused(hub: HostileHub, tmp_path: Path) -> None:
+    repo = hub.add("org/m", FILES)
+    pinned = "c" * 40
+    hub.aliases[pinned] = "main"  # the endpoint answers the pinned commit with main's
+
+    failed = failure(hub_fetch(hub, tmp_path, revision=pinned))
+
+    assert failed.permanent, failed
+    assert repo.commit in str(failed)
+    assert hub.file_requests() == []
+
+
+# ---------------------------------------------------------------------------------------------------- silence
+
+
+def test_an_endpoint_that_never_answers_the_file_list_is_transient_not_a_hang(
+    hub: HostileHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hub.add("org/m", FILES)
+    hub.hang_api = threading.Event()
+    monkeypatch.setattr(prepare, "HUB_API_TIMEOUT_S", 1.0, raising=False)  # absent before the fix
+    outcome: list[BaseException] = []
+
+    def attempt() -> None:
+        try:
+            fetch(hub_fetch(hub, tmp_path))
+        except BaseException as exc:  # handed to the test thread
+            outcome.append(exc)
+
+    worker = threading.Thread(target=attempt, daemon=True)
+    worker.start()
+    worker.join(15)
+    hub.hang_api.set()
+
+    assert not worker.is_alive(), "the fetch hangs on an endpoint that accepts the connection and never answers"
+    assert len(outcome) == 1 and isinstance(outcome[0], PrepareFailed), outcome
+    assert not outcome[0].permanent
+    assert "timed out" in str(outcome[0])
