@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
+import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +51,25 @@ WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 EMBEDDING_MODULES = frozenset({"lm_head", "embed_tokens", "wte", "wpe", "embed_in", "embed_out", "word_embeddings"})
 #: Weight-key fragments of things plain LoRA serving cannot apply.
 UNSUPPORTED_KEY_PARTS = ("modules_to_save", "lora_magnitude_vector", "lora_embedding_", "trainable_tokens")
+
+#: adapter_config.json and grpo-manifest.json hold a few KiB; a larger one is refused before it is read.
+MAX_JSON_BYTES = 1 << 20
+#: Beyond the LoRA weights a version may hold this much more (safetensors header, configs, model card, tokenizer).
+EXTRA_BYTES = 256 << 20
+#: init_lora_weights values whose initialisation touches the adapter's own matrices only (the saved
+#: weights replace them). PEFT runs the init when it creates the adapter, also to load one: PiSSA,
+#: OLoRA, CorDA, LoftQ rewrite the base layers' weights, for every later request on the transformers engine.
+PLAIN_INITS = frozenset({"gaussian", "orthogonal", "eva", "lora_ga", "mica"})
+#: adapter_config.json fields that make PEFT build something other than plain LoRA unless they are null
+#: (KaSA's `{}` counts: PEFT tests `is not None`).
+NOT_PLAIN_LORA = {
+    "layer_replication": "duplicates decoder layers of the base model",
+    "kasa_config": "KaSA rewrites the base layers' weights",
+    "alora_invocation_tokens": "activated LoRA applies only after its invocation tokens",
+}
+#: A name PEFT puts into a regular expression (rank_pattern and alpha_pattern keys, layers_pattern):
+#: no quantifier, group, class or alternation, so matching it takes linear time.
+PLAIN_PATTERN = re.compile(r"^[A-Za-z0-9_.^$-]{1,512}$")
 
 #: HTTP status for each refusal reason.
 REFUSAL_STATUS: dict[str, int] = {
@@ -126,12 +147,17 @@ def confine(path: str, root: Path) -> Path:
         candidate = root_resolved / candidate
     try:
         resolved = candidate.resolve()
-    except (OSError, ValueError) as exc:  # too long, a link loop...: nothing the server can load
-        shown = path if len(path) <= 200 else path[:200] + "…"
-        raise AdapterRefusal("adapter_missing", f"{shown} is not a usable path: {type(exc).__name__}") from exc
+    except (OSError, ValueError, RuntimeError) as exc:  # too long, a link loop (RuntimeError)...
+        raise _unusable(path, exc) from exc
     if resolved == root_resolved or not resolved.is_relative_to(root_resolved):
         raise AdapterRefusal("adapter_outside_root", f"{path} is not a directory inside the adapter root {root}")
     return resolved
+
+
+def _unusable(path: str, exc: BaseException) -> AdapterRefusal:
+    """A path nothing can be loaded from (a component too long, a link loop): named as sent, by the error's type."""
+    shown = path if len(path) <= 200 else path[:200] + "…"
+    return AdapterRefusal("adapter_missing", f"{shown} is not a usable path: {type(exc).__name__}")
 
 
 def inspect_adapter(
@@ -146,9 +172,13 @@ def inspect_adapter(
 ) -> CheckedAdapter:
     """Every check but the files' checksums; raise AdapterRefusal with the first problem found."""
     directory = confine(path, root)
-    if not directory.is_dir():
+    try:
+        is_dir = directory.is_dir()
+    except OSError as exc:  # ENAMETOOLONG and the like: is_dir() answers False only for a few errnos
+        raise _unusable(path, exc) from exc
+    if not is_dir:
         raise AdapterRefusal("adapter_missing", f"{directory} is not a directory")
-    _check_tree(directory)
+    _check_sizes(directory, _check_tree(directory), _max_bytes(served, max_rank))
     manifest = _check_manifest(directory, served, require_manifest, expected_digest, version)
     try:
         config = _read_config(directory)
@@ -185,14 +215,51 @@ def verify_adapter_files(checked: CheckedAdapter) -> None:
     _check_finite(checked.weights)
 
 
-def _check_tree(directory: Path) -> None:
-    """Regular files and directories only: no symlink (to anywhere), no FIFO or device."""
+def _check_tree(directory: Path) -> list[str]:
+    """Regular files and directories only: no symlink (to anywhere), no FIFO or device; the files' relative paths."""
     try:
-        directory_files(directory)
+        return directory_files(directory)
     except ManifestPathError as exc:
         raise AdapterRefusal("adapter_outside_root", str(exc)) from exc
     except ManifestError as exc:
         raise AdapterRefusal("adapter_config_invalid", str(exc)) from exc
+    except OSError as exc:  # a tree nested past PATH_MAX, an unreadable directory
+        raise _unlistable(directory, exc) from exc
+
+
+def _unlistable(directory: Path, exc: OSError) -> AdapterRefusal:
+    return AdapterRefusal(
+        "adapter_config_invalid", f"{directory} cannot be listed: {exc.strerror or type(exc).__name__}"
+    )
+
+
+def _max_bytes(served: ServedModel, max_rank: int) -> int | None:
+    """The most bytes a version's files may hold: two copies of LoRA weights of maxLoraRank on every linear
+    layer, at 8 bytes a value, plus EXTRA_BYTES; None when the served model's layers are unknown."""
+    if not served.linear_shapes:
+        return None
+    values = sum(out_features + in_features for out_features, in_features in served.linear_shapes.values())
+    return 2 * values * max_rank * 8 + EXTRA_BYTES
+
+
+def _check_sizes(directory: Path, files: list[str], limit: int | None) -> None:
+    """Refuse, before any byte is read or hashed, a version larger than any adapter of the served model."""
+    if limit is None:
+        return
+    sizes: dict[str, int] = {}
+    for rel in files:
+        try:
+            sizes[rel] = (directory / rel).lstat().st_size
+        except OSError as exc:
+            raise _unlistable(directory, exc) from exc
+    total = sum(sizes.values())
+    if total > limit:
+        largest = max(sizes, key=lambda rel: sizes[rel])
+        raise AdapterRefusal(
+            "adapter_config_invalid",
+            f"{directory} holds {total} bytes ({directory / largest}: {sizes[largest]}); an adapter of this "
+            f"model with rank up to maxLoraRank holds at most {limit}",
+        )
 
 
 def _verify(directory: Path, manifest: AdapterManifest) -> None:
@@ -202,6 +269,8 @@ def _verify(directory: Path, manifest: AdapterManifest) -> None:
         raise AdapterRefusal("adapter_outside_root", str(exc)) from exc
     except ManifestError as exc:
         raise AdapterRefusal("adapter_checksum_mismatch", str(exc)) from exc
+    except OSError as exc:  # listing the directory failed
+        raise _unlistable(directory, exc) from exc
 
 
 def _check_finite(weights: Path) -> None:
@@ -209,8 +278,19 @@ def _check_finite(weights: Path) -> None:
     import torch
 
     for key, tensor in _tensors(weights):
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            bad = int((~torch.isfinite(tensor)).sum())
+        if not tensor.is_floating_point():
+            continue
+        try:
+            finite = torch.isfinite(tensor)
+        except (NotImplementedError, RuntimeError):  # float8_e4m3fn and others: none on CPU
+            try:
+                finite = torch.isfinite(tensor.float())
+            except (NotImplementedError, RuntimeError) as exc:  # float4: not even a cast
+                raise AdapterRefusal(
+                    "adapter_weights_invalid", f"{weights}: tensor {key} is {tensor.dtype}, which no engine serves"
+                ) from exc
+        if not bool(finite.all()):
+            bad = int((~finite).sum())
             raise AdapterRefusal(
                 "adapter_weights_invalid",
                 f"{weights}: tensor {key} holds {bad} non-finite value(s) (NaN or Inf) of {tensor.numel()}",
@@ -255,6 +335,14 @@ def _check_manifest(
             raise AdapterRefusal("adapter_checksum_mismatch", f"{directory / MANIFEST_NAME} is missing")
         return None
     try:
+        size = (directory / MANIFEST_NAME).lstat().st_size
+    except OSError as exc:
+        raise AdapterRefusal("adapter_checksum_mismatch", f"{directory / MANIFEST_NAME} cannot be read") from exc
+    if size > MAX_JSON_BYTES:  # read_manifest reads it whole
+        raise AdapterRefusal(
+            "adapter_checksum_mismatch", f"{directory / MANIFEST_NAME} is {size} bytes; at most {MAX_JSON_BYTES}"
+        )
+    try:
         manifest = read_manifest(directory)
     except ManifestPathError as exc:
         raise AdapterRefusal("adapter_outside_root", str(exc)) from exc
@@ -282,14 +370,28 @@ def _check_manifest(
     return manifest
 
 
+def _read_small(path: Path, limit: int) -> bytes:
+    """A regular file's bytes, refused above `limit` without reading more (the file may grow meanwhile)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with open(fd, "rb", buffering=0) as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise AdapterRefusal("adapter_config_invalid", f"{path} is not a regular file")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise AdapterRefusal("adapter_config_invalid", f"{path} is larger than {limit} bytes")
+    return data
+
+
 def _read_config(directory: Path) -> dict[str, Any]:
     path = directory / ADAPTER_CONFIG
     if not path.is_file():
         raise AdapterRefusal("adapter_config_invalid", f"{path} is missing")
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(_read_small(path, MAX_JSON_BYTES).decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise AdapterRefusal("adapter_config_invalid", f"{path} is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise AdapterRefusal("adapter_config_invalid", f"{path} is not valid JSON: nested too deeply") from exc
     if not isinstance(config, dict):
         raise AdapterRefusal("adapter_config_invalid", f"{path} must hold a JSON object")
     peft_type = config.get("peft_type")
@@ -300,11 +402,72 @@ def _read_config(directory: Path) -> dict[str, Any]:
         raise AdapterRefusal("adapter_config_invalid", f"{path}: r must be a positive integer, got {r!r}")
     if not config.get("target_modules") and not config.get("target_parameters"):
         raise AdapterRefusal("adapter_config_invalid", f"{path}: target_modules is missing")
+    _check_values(config, path)
+    _check_patterns(config, path)
     return config
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_values(config: dict[str, Any], path: Path) -> None:
+    """Types and values the checks below and the engine rely on: a 422 naming the field, never a 500."""
+    targets = config.get("target_modules")
+    if targets is not None and not isinstance(targets, str) and not (
+        isinstance(targets, list) and all(isinstance(t, str) for t in targets)
+    ):
+        raise AdapterRefusal("adapter_config_invalid", f"{path}: target_modules must be a list of module names")
+    for entry in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(config.get(entry) or {}, dict):
+            raise AdapterRefusal("adapter_config_invalid", f"{path}: {entry} must be an object")
+    for module, rank in (config.get("rank_pattern") or {}).items():
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+            raise AdapterRefusal(
+                "adapter_config_invalid", f"{path}: rank_pattern[{module!r}] must be a positive integer, got {rank!r}"
+            )
+    # lora_alpha / r scales every LoRA output: NaN or Inf would make every generation on the adapter fail,
+    # as NaN weights would (1e400 reads as Inf)
+    alphas = {"lora_alpha": config.get("lora_alpha", 8)}
+    alphas.update({f"alpha_pattern[{k!r}]": v for k, v in (config.get("alpha_pattern") or {}).items()})
+    for entry, alpha in alphas.items():
+        if not _is_number(alpha) or not math.isfinite(alpha):
+            raise AdapterRefusal("adapter_config_invalid", f"{path}: {entry} must be a finite number, got {alpha!r}")
+
+
+def _check_patterns(config: dict[str, Any], path: Path) -> None:
+    """No regular expression of the adapter's runs in the server (ours or PEFT's module matching).
+
+    A pattern such as `(.|.|.)*X` backtracks for hours on a module name, holding the interpreter. PEFT
+    matches a string target_modules or exclude_modules as a regular expression, and embeds rank_pattern
+    and alpha_pattern keys and layers_pattern in one: only names without regex syntax are accepted.
+    """
+    problems = []
+    targets = config.get("target_modules")
+    if isinstance(targets, str) and targets != "all-linear":
+        problems.append(f"target_modules {targets[:100]!r} is a regular expression (list the module names)")
+    if isinstance(config.get("exclude_modules"), str):
+        problems.append("exclude_modules is a regular expression (list the module names)")
+    names: list[tuple[str, Any]] = [
+        (f"{entry} key", key) for entry in ("rank_pattern", "alpha_pattern") for key in config.get(entry) or {}
+    ]
+    layers_pattern = config.get("layers_pattern")
+    if layers_pattern is not None:
+        patterns = layers_pattern if isinstance(layers_pattern, list) else [layers_pattern]
+        names += [("layers_pattern", p) for p in patterns]
+    problems += [
+        f"{entry} {name if not isinstance(name, str) else name[:100]!r} is not a plain module name"
+        for entry, name in names
+        if not isinstance(name, str) or not PLAIN_PATTERN.match(name)
+    ]
+    if problems:
+        raise AdapterRefusal(
+            "adapter_unsupported", f"{path}: the server runs no regular expression of an adapter: {'; '.join(problems)}"
+        )
+
+
 def _check_rank(config: dict[str, Any], directory: Path, max_rank: int) -> int:
-    ranks = [config["r"], *[v for v in (config.get("rank_pattern") or {}).values() if isinstance(v, int)]]
+    ranks = [config["r"], *(config.get("rank_pattern") or {}).values()]  # positive integers (_check_values)
     rank = max(ranks)
     if rank > max_rank:
         raise AdapterRefusal(
@@ -315,12 +478,8 @@ def _check_rank(config: dict[str, Any], directory: Path, max_rank: int) -> int:
 
 
 def _targets_embedding(target_modules: Any) -> list[str]:
-    if isinstance(target_modules, str):
-        if target_modules == "all-linear":
-            return []
-        # a regex over full module names
-        probes = ["lm_head", "model.embed_tokens", "transformer.wte", "gpt_neox.embed_in", "embed_out"]
-        return [p for p in probes if re.fullmatch(target_modules, p)]
+    if isinstance(target_modules, str):  # "all-linear" (_check_patterns refused any other string): no output layer
+        return []
     return [m for m in target_modules if isinstance(m, str) and m.split(".")[-1] in EMBEDDING_MODULES]
 
 
@@ -338,9 +497,14 @@ def _check_supported(config: dict[str, Any], directory: Path) -> None:
     embedding = _targets_embedding(config.get("target_modules") or [])
     if embedding:
         problems.append(f"embedding or lm_head targets {embedding}")
+    init = config.get("init_lora_weights", True)
+    if not isinstance(init, bool) and not (isinstance(init, str) and init in PLAIN_INITS):
+        shown = init[:100] if isinstance(init, str) else init
+        problems.append(f"init_lora_weights {shown!r} (PEFT's init of it rewrites the base model's weights)")
+    problems += [f"{entry} ({what})" for entry, what in NOT_PLAIN_LORA.items() if config.get(entry) is not None]
     if problems:
         raise AdapterRefusal(
-            "adapter_unsupported", f"{path}: vLLM cannot serve this as plain LoRA: {'; '.join(problems)}"
+            "adapter_unsupported", f"{path}: not servable as plain LoRA: {'; '.join(problems)}"
         )
 
 
@@ -352,7 +516,9 @@ def _weight_file(directory: Path) -> Path:
 
 
 #: A LoRA tensor as PEFT saves it: `base_model.model.<module>.lora_<A|B>.weight`.
-LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<half>[AB])(?:\.[\w-]+)?\.weight$")
+#: No segment after lora_A/lora_B: the transformers engine loads none of `<module>.lora_A.<name>.weight` (not
+#: even with the version's own name) and would serve lora_B's zero init, the base model, under the adapter's name.
+LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<half>[AB])\.weight$")
 
 
 def _check_weights(weights: Path, served: ServedModel, max_rank: int) -> None:
