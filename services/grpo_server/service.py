@@ -46,7 +46,14 @@ from grpo_server.engines.base import (
 )
 from grpo_server.errors import ApiError, BadRequest
 from grpo_server.prompts import PromptEncoder
-from grpo_server.registry import VERSIONED_NAME, AdapterRegistry, LoadedAdapter, ModelNotFound, adapter_name
+from grpo_server.registry import (
+    BASE_SUFFIX,
+    VERSIONED_NAME,
+    AdapterRegistry,
+    LoadedAdapter,
+    ModelNotFound,
+    adapter_name,
+)
 from grpo_server.sampling import Limits, check_options, check_prompts
 from grpo_server.schemas import PauseMode
 from grpo_server.settings import TRIGGER_WAIT_SECONDS, ServerSettings
@@ -271,6 +278,10 @@ class GenerationService:
             )
         if ours and request.version is None:
             raise BadRequest("version is required with path")
+        if alias is not None and alias in (self.settings.served_model_name,
+                                           self.settings.served_model_name + BASE_SUFFIX):
+            raise BadRequest(f"lora_name: {alias!r} names the served model itself (requests for it would never "
+                             "select the adapter); choose another name")
         named_version = _version_in(alias)
         try:
             self._refuse_replaced_base()

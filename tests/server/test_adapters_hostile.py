@@ -345,3 +345,16 @@ def test_a_regex_in_adapter_config_is_refused_without_running_it(server, maker, 
     assert_refused_and_nothing_changed(server, loaded, before, response, 422, "adapter_unsupported",
                                        ("adapter_config.json", field))
     assert server.health()["_status_code"] == 200
+
+
+@pytest.mark.parametrize("name", ["tiny", BASE])
+def test_an_adapter_named_as_the_served_model_is_refused(server, maker, loaded, name):
+    """A request for the served model's name selects the active adapter, and `<served>:base` the base model:
+    an adapter loaded under either name could never be selected by it, and /v1/models would list the id twice."""
+    _, path = fresh(server, maker, "shadow")
+    response = load(server, name, path)
+    assert response.status_code == 400, response.text
+    assert "lora_name" in response.json()["message"], response.text
+    assert active_version(server) == loaded
+    ids = [m["id"] for m in httpx.get(server.url + "/v1/models", headers=server.auth, timeout=10).json()["data"]]
+    assert len(ids) == len(set(ids)), ids
