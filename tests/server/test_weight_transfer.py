@@ -36,8 +36,8 @@ def server(served_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def post(server: RunningServer, path: str, body: dict[str, object] | None = None,
-         auth: bool = True) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, headers=server.auth if auth else {}, timeout=180)
+         auth: bool = True, timeout: float = 180) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, headers=server.auth if auth else {}, timeout=timeout)
 
 
 def mlp_and_norm_names(model_dir: Path) -> list[str]:

@@ -24,6 +24,7 @@ from grpo_api.weight_transfer import WEIGHTS_VERSION_HEADER
 from grpo_server.engines.gloo_weights import STORE_PREFIX
 from tests.fixtures.server import RunningServer, free_port, start_server
 from tests.server.adapters import LoraMaker
+from tests.server.test_weight_transfer import post
 
 pytestmark = pytest.mark.slow
 
@@ -34,11 +35,6 @@ def server(served_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
                            server_overrides={"maxLoraRank": 8, "maxLoras": 2})
     yield running
     running.stop(timeout=10)
-
-
-def post(server: RunningServer, path: str, body: dict[str, object] | None = None,
-         timeout: float = 180) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, headers=server.auth, timeout=timeout)
 
 
 def sampled(server: RunningServer, **extra: Any) -> httpx.Response:

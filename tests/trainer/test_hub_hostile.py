@@ -4,13 +4,11 @@ local HTTP server (tests/fixtures/hub.py's FakeHub, with the hostile answers add
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -120,24 +118,10 @@ def hostile_handler(hub: HostileHub) -> type:
     return Handler
 
 
-@contextlib.contextmanager
-def serving(hub: FakeHub, handler: type, host: str = "127.0.0.1") -> Iterator[FakeHub]:
-    server = ThreadingHTTPServer((host, 0), handler)
-    server.daemon_threads = True
-    hub.url = f"http://{host}:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield hub
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 @pytest.fixture
 def hub() -> Iterator[HostileHub]:
     fake = HostileHub()
-    with serving(fake, hostile_handler(fake)):
+    with running_hub(hub=fake, handler=hostile_handler(fake)):
         try:
             yield fake
         finally:
