@@ -77,7 +77,8 @@ def _read_jsonl(path: Path, prompt_field: str) -> Dataset:
             if len(raw) > MAX_LINE_BYTES:
                 raise DatasetError(f"spec.dataset: {path} line {number} is longer than {MAX_LINE_BYTES} bytes")
             try:
-                line = raw.decode("utf-8")
+                # a byte-order mark opens many files written on Windows: skipped, as load_dataset("json") does
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as exc:
                 raise DatasetError(
                     f"spec.dataset: {path} line {number}: not UTF-8 text (byte {exc.start + 1} of the line)"

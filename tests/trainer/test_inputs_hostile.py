@@ -278,3 +278,14 @@ def test_none_and_nan_stay_what_trl_takes_as_no_reward(tmp_path: Path) -> None:
     (func,) = build({"function": f"{module}:score"}, paths=[tmp_path])
     out = call(func, ["a", "b", "c", "d"])
     assert out[0] is None and math.isnan(out[1]) and out[2:] == [1.0, 2.0]
+
+
+def test_a_byte_order_mark_is_skipped_as_load_dataset_json_skips_it(tmp_path: Path) -> None:
+    from datasets import load_dataset
+
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n{"prompt": "b"}\n')
+    assert load(path)["prompt"] == ["a", "b"] == load_dataset("json", data_files=str(path), split="train")["prompt"]
+    path.write_bytes(b'{"prompt": "a"}\n\xef\xbb\xbf{"prompt": "b"}\n')  # only a file's first bytes may be one
+    with pytest.raises(DatasetError, match=rf"^spec\.dataset: {path} line 2: not valid JSON"):
+        load(path)
