@@ -54,6 +54,9 @@ def rank_main(rank: int, model_dir: str, out: str, port: int) -> None:
     tensors, _ = peft_adapter(model)
     if rank == 0:
         torch.save(tensors, Path(out) / "sharded.pt")
+    # both ranks leave together: a rank that tears gloo down while its peer still exchanges with it can abort
+    # ("terminate called without an active exception", seen once in CI on rank 1)
+    dist.barrier()
     dist.destroy_process_group()
 
 
