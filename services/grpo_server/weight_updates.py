@@ -17,8 +17,8 @@ while the call runs) and `finish`. The rules:
 - adapters and replaced base weights do not mix: no update while an adapter is loaded, and no
   adapter load once the base weights were replaced (they were trained on the checkpoint's). An
   adapter load checks this before it waits for the engine, so one under way at `start` may land
-  during the update: `finish` runs after every such load (the route holds the adapter lock) and
-  drops the update if one left an adapter loaded (409 `adapters_loaded`).
+  during the update: `finish` runs after every such load (`GenerationService.finish_weight_update`
+  holds the adapter lock) and drops the update if one left an adapter loaded (409 `adapters_loaded`).
 
 How the rules hold depends on the receiver (`WeightReceiver.in_place`):
 
