@@ -23,6 +23,7 @@ from grpo_api.models import (
     MAX_RUN_NAME,
     RUN_NAME_MESSAGE,
     RUN_NAME_PATTERN,
+    TRAINER_RENDEZVOUS_PORT,
     EnvVar,
     GRPORun,
     Mode,
@@ -59,7 +60,9 @@ RUN_CONFIG_PATH = f"{CONFIG_DIR}/{RUN_CONFIG_FILE}"
 TOKEN_PATH = f"{TOKEN_DIR}/{TOKEN_KEY}"
 NON_ROOT_UID = 1000
 #: The torch.distributed rendezvous port of a trainer of several pods (on the pod of completion index 0).
-RENDEZVOUS_PORT = 29500
+RENDEZVOUS_PORT = TRAINER_RENDEZVOUS_PORT
+#: What a ConfigMap may hold, keys and values together (the API server's limit).
+MAX_CONFIG_MAP_BYTES = 1024 * 1024
 
 
 
@@ -131,6 +134,18 @@ def check_run(run: GRPORun) -> None:
         raise InvalidRunError(f"{RUN_NAME_MESSAGE} (it is {name!r})")
     if not run.metadata.uid:
         raise InvalidRunError("metadata.uid is empty: children need it for their ownerReference")
+
+
+def check_children(run: GRPORun) -> None:
+    """Build every child the run can have, each way it can be built, and throw the result away: a spec no child
+    can be built from is refused (InvalidRunError, naming the field) before any child exists."""
+    build_config_map(run)
+    build_rewards_config_map(run)
+    build_initializer_job(run)
+    for together in (False, True):
+        where = Placement(same_node=together)
+        build_server_deployment(run, 1, run.spec.effective_server.replicas, placement=where)
+        build_trainer_job(run, 1, placement=where)
 
 
 def volume_claim_name(run: GRPORun) -> str:
@@ -260,11 +275,19 @@ def build_config_map(run: GRPORun) -> dict[str, Any]:
         sources=source_layout(run).sources,
         server_endpoints=endpoints,
     )
+    text = config.to_yaml()
+    size = len(RUN_CONFIG_FILE) + len(text.encode())
+    if size > MAX_CONFIG_MAP_BYTES:
+        raise InvalidRunError(
+            f"spec is too large: its run-config is {size} bytes, over the {MAX_CONFIG_MAP_BYTES} a ConfigMap holds "
+            "(shrink rewardCode.inline, the pods' podAnnotations, rewards[].args, trainer.structuredOutputs or "
+            "server.extraEngineArgs)"
+        )
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(run, child_names(run).config, CONFIG),
-        "data": {RUN_CONFIG_FILE: config.to_yaml()},
+        "data": {RUN_CONFIG_FILE: text},
     }
 
 

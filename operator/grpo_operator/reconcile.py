@@ -207,6 +207,8 @@ def _reconcile(rt: Runtime, body: dict[str, Any], children: Children) -> float:
         run = GRPORun.model_validate({"metadata": meta, "spec": body.get("spec")})
         builders.check_run(run)
         builders.source_layout(run)
+        # Every child is built (pure) before any is created: one that cannot be is refused with nothing made.
+        builders.check_children(run)
         if status.phase == Phase.PENDING:
             check_claims(rt, run)
     except (ValidationError, builders.InvalidRunError, SourceError) as exc:
@@ -232,6 +234,13 @@ def _reconcile(rt: Runtime, body: dict[str, Any], children: Children) -> float:
             _record(rt, meta, raw_status, status, decision)
             return OLD_CHILDREN_POLL_SECONDS
         decision = reject(status, str(exc), now, generation=generation, reason=Reason.CHILD_CONFLICT)
+        _record(rt, meta, raw_status, status, decision)
+        _count_failures(namespace, name, decision)
+        return rt.config.reconcile_interval
+    except (builders.InvalidRunError, SourceError) as exc:
+        # A child the spec cannot make (check_children builds each before the first is created): no retry
+        # fixes it, so the run fails naming the field instead of a reconcile that fails forever.
+        decision = reject(status, str(exc), now, generation=generation)
         _record(rt, meta, raw_status, status, decision)
         _count_failures(namespace, name, decision)
         return rt.config.reconcile_interval

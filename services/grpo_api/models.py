@@ -72,6 +72,8 @@ class ApiModel(BaseModel):
         extra="forbid",
         validate_assignment=True,
         use_enum_values=True,
+        # A `grpo run` file may say .nan or .inf (YAML); no spec number means either (JSON has neither).
+        allow_inf_nan=False,
     )
 
     def to_wire(self) -> dict[str, Any]:
@@ -379,15 +381,35 @@ class EnvVarSource(ApiModel):
         return self
 
 
+#: Variables the operator (and `grpo run`) sets in the run's containers from the run itself (its config, attempt,
+#: token, addresses and hub tokens), and the server's token variable, which wins over the token file: a spec's
+#: env may not replace them. The other variables of ours it may, on purpose (HF_HOME, GRPO_MASTER_PORT).
+OPERATOR_ENV: tuple[str, ...] = (
+    "GRPO_RUN_CONFIG", "GRPO_ATTEMPT", "GRPO_TOKEN_FILE", "GRPO_TOKEN", "GRPO_SERVER_URL", "GRPO_MASTER_ADDR",
+    "GRPO_TRAINER_ADDRESS", "GRPO_HF_TOKEN_MODEL", "GRPO_HF_TOKEN_DATASET",
+)
+OPERATOR_ENV_MESSAGE = f"is set by the operator ({', '.join(OPERATOR_ENV)}): env may not replace it"
+
+
 class EnvVar(ApiModel):
     """An extra environment variable for a container: a literal value, or one read from a Secret,
     a ConfigMap or the pod (valueFrom), as in a Pod spec."""
 
-    name: str = Field(description="Variable name.", min_length=1, max_length=256, pattern=ENV_NAME_PATTERN)
+    name: str = Field(
+        description=f"Variable name; not one the operator sets ({', '.join(OPERATOR_ENV)}).",
+        min_length=1, max_length=256, pattern=ENV_NAME_PATTERN,
+    )
     value: str | None = Field(default=None, description="Literal value.", max_length=4096)
     value_from: EnvVarSource | None = Field(
         default=None, description="Read the value from a Secret key, a ConfigMap key or a pod field."
     )
+
+    @field_validator("name")
+    @classmethod
+    def _not_ours(cls, value: str) -> str:
+        if value in OPERATOR_ENV:
+            raise ValueError(f"{value} {OPERATOR_ENV_MESSAGE}")
+        return value
 
     @model_validator(mode="after")
     def _one_value(self) -> EnvVar:
@@ -402,6 +424,8 @@ class EnvVar(ApiModel):
 
 ENV_RULES: list[dict[str, str]] = [
     {"rule": "!(has(self.value) && has(self.valueFrom))", "message": "set value or valueFrom, not both"},
+    _cel("!(self.name in [" + ", ".join(f"'{n}'" for n in OPERATOR_ENV) + "])", f"name {OPERATOR_ENV_MESSAGE}",
+         fieldPath=".name"),
 ]
 ENV_SOURCE_RULES: list[dict[str, str]] = [
     {
@@ -427,7 +451,12 @@ class ModelDType(StrEnum):
 #: Face repository fetched once per run, oci://REFERENCE an OCI image mounted read-only (image volume),
 #: configmap://NAME a ConfigMap in the run's namespace (datasets and reward code only).
 PVC_URI = rf"pvc://{_DNS_SUBDOMAIN}(/[-A-Za-z0-9_.@+=,/]*)?"
-HF_URI = r"hf://([A-Za-z0-9][-A-Za-z0-9_.]{0,95}/)?[A-Za-z0-9][-A-Za-z0-9_.]{0,95}(@[-A-Za-z0-9_./]{1,256})?"
+#: A hub revision: a branch, a tag (refs/pr/1, refs/convert/parquet) or a commit. Relative, of elements that
+#: do not start with '.', no '//' nor a trailing '/' (as git ref names): it is a directory on the volume.
+_REVISION_PART = r"[-A-Za-z0-9_][-A-Za-z0-9_.]{0,127}"
+REVISION = rf"{_REVISION_PART}(/{_REVISION_PART}){{0,7}}"
+REVISION_PATTERN = rf"^{REVISION}$"
+HF_URI = rf"hf://([A-Za-z0-9][-A-Za-z0-9_.]{{0,95}}/)?[A-Za-z0-9][-A-Za-z0-9_.]{{0,95}}(@{REVISION})?"
 OCI_URI = r"oci://[a-z0-9][-a-z0-9.]*(:[0-9]+)?(/[-a-z0-9_.]+)+(:[A-Za-z0-9_][-A-Za-z0-9_.]{0,127})?(@sha256:[a-f0-9]{64})?"
 CONFIGMAP_URI = rf"configmap://{_DNS_SUBDOMAIN}"
 MODEL_SOURCE_PATTERN = f"^({PVC_URI}|{HF_URI}|{OCI_URI})$"
@@ -483,7 +512,10 @@ class ModelSpec(ApiModel):
         "`grpo run`).",
         max_length=1024,
     )
-    revision: str | None = Field(default=None, description="Revision (branch, tag or commit) of a hub model.")
+    revision: str | None = Field(
+        default=None, description="Revision (branch, tag or commit) of a hub model, e.g. main or refs/pr/1.",
+        max_length=256, pattern=REVISION_PATTERN,
+    )
     hub: HubAccess | None = Field(default=None, description="Token and endpoint for an hf:// source.")
     dtype: ModelDType = Field(default=ModelDType.AUTO, description="Weights dtype for serving and training.")
 
@@ -744,6 +776,27 @@ RESERVED_LABEL_PREFIXES: tuple[str, ...] = ("grpo.dev/", "app.kubernetes.io/", "
 RESERVED_LABELS: tuple[str, ...] = ("job-name", "controller-uid")
 #: Where the operator mounts its own things; extra mounts may not shadow them.
 RESERVED_MOUNT_PREFIXES: tuple[str, ...] = ("/etc/grpo", "/var/run/grpo", "/mnt/grpo", "/opt/grpo", "/dev/shm")
+#: The volume sources extra volumes may use: those the restricted Pod Security Standard allows (nothing of the
+#: node's, no file system the node mounts from the network on the pod's behalf), and image volumes.
+EXTRA_VOLUME_SOURCES: tuple[str, ...] = (
+    "configMap", "secret", "emptyDir", "persistentVolumeClaim", "projected", "downwardAPI", "ephemeral", "csi",
+    "image",
+)
+#: The other sources of a core/v1 Volume (named in the CRD so its CEL rule can see them).
+OTHER_VOLUME_SOURCES: tuple[str, ...] = (
+    "hostPath", "gitRepo", "nfs", "iscsi", "glusterfs", "rbd", "cephfs", "flexVolume", "cinder", "fc", "flocker",
+    "azureFile", "azureDisk", "vsphereVolume", "quobyte", "photonPersistentDisk", "portworxVolume", "scaleIO",
+    "storageos", "gcePersistentDisk", "awsElasticBlockStore",
+)
+VOLUME_SOURCE_MESSAGE = f"needs exactly one volume source of {', '.join(EXTRA_VOLUME_SOURCES)}"
+#: Annotations that choose a pod's AppArmor or seccomp profile: the operator sets the pods' security.
+RESERVED_ANNOTATION_PREFIXES: tuple[str, ...] = (
+    "container.apparmor.security.beta.kubernetes.io/", "seccomp.security.alpha.kubernetes.io/",
+    "container.seccomp.security.alpha.kubernetes.io/",
+)
+RESERVED_ANNOTATION_MESSAGE = (
+    "may not choose a security profile (AppArmor, seccomp annotations): the operator sets the pods' security"
+)
 
 
 #: core/v1 Volume objects, kept as written (the API server checks them when the pods are created).
@@ -753,7 +806,12 @@ EXTRA_VOLUMES_SCHEMA: dict[str, Any] = {
         "x-kubernetes-preserve-unknown-fields": True,
         "required": ["name"],
         "properties": {
-            "name": {"type": "string", "pattern": DNS_LABEL_PATTERN, "maxLength": 63, "description": "Volume name."}
+            "name": {"type": "string", "pattern": DNS_LABEL_PATTERN, "maxLength": 63, "description": "Volume name."},
+            **{
+                source: {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                         "description": "Not allowed in a run's pods."}
+                for source in OTHER_VOLUME_SOURCES
+            },
         },
     }
 }
@@ -863,11 +921,15 @@ def _annotations(value: dict[str, str]) -> dict[str, str]:
 
 
 def _check_pod_settings(
-    section: str, pod_labels: dict[str, str], volumes: list[dict[str, Any]], mounts: list[VolumeMount]
+    section: str, pod_labels: dict[str, str], pod_annotations: dict[str, str], volumes: list[dict[str, Any]],
+    mounts: list[VolumeMount],
 ) -> None:
     for key in pod_labels:
         if key.startswith(RESERVED_LABEL_PREFIXES) or key in RESERVED_LABELS:
             raise ValueError(f"{section}.podLabels: {key!r} is set by the operator or the Job controller")
+    for key in pod_annotations:
+        if key.startswith(RESERVED_ANNOTATION_PREFIXES):
+            raise ValueError(f"{section}.podAnnotations: {key!r} {RESERVED_ANNOTATION_MESSAGE}")
     names: list[str] = []
     for index, volume in enumerate(volumes):
         name = volume.get("name") if isinstance(volume, dict) else None
@@ -877,6 +939,9 @@ def _check_pod_settings(
             raise ValueError(f"{section}.volumes[{index}].name {name!r} is used by the operator")
         if name in names:
             raise ValueError(f"{section}.volumes[{index}].name {name!r} is given twice")
+        sources = [key for key in volume if key != "name"]
+        if len(sources) != 1 or sources[0] not in EXTRA_VOLUME_SOURCES:
+            raise ValueError(f"{section}.volumes[{index}] ({name}) {VOLUME_SOURCE_MESSAGE}, got {sources or 'none'}")
         names.append(name)
     for index, mount in enumerate(mounts):
         if mount.name not in names:
@@ -914,13 +979,15 @@ class PodSettings(ApiModel):
         json_schema_extra=_rules(LABEL_KEYS_RULE, maxProperties=64),
     )
     pod_annotations: dict[str, Annotated[str, Field(max_length=MAX_ANNOTATION_VALUE)]] = Field(
-        default_factory=dict, description="Extra annotations of the pods.",
+        default_factory=dict, description="Extra annotations of the pods (none that chooses an AppArmor or "
+        "seccomp profile).",
         json_schema_extra=_rules(*ANNOTATION_RULES, maxProperties=64),
     )
     volumes: list[dict[str, Any]] = Field(
         default_factory=list,
-        description="Extra pod volumes (core/v1 Volume, e.g. a Secret, a ConfigMap, a claim); names must not "
-        "collide with the operator's (run-config, data, dshm, token, model-cache, src-*).",
+        description="Extra pod volumes (core/v1 Volume, e.g. a Secret, a ConfigMap, a claim) of one source each, "
+        f"one of {', '.join(EXTRA_VOLUME_SOURCES)}; names must not collide with the operator's (run-config, data, "
+        "dshm, token, model-cache, src-*).",
         max_length=32,
         json_schema_extra=EXTRA_VOLUMES_SCHEMA,
     )
@@ -940,7 +1007,7 @@ class PodSettings(ApiModel):
 
     @model_validator(mode="after")
     def _pod_settings(self) -> PodSettings:
-        _check_pod_settings(self.section, self.pod_labels, self.volumes, self.volume_mounts)
+        _check_pod_settings(self.section, self.pod_labels, self.pod_annotations, self.volumes, self.volume_mounts)
         return self
 
 
@@ -961,6 +1028,18 @@ def pod_rules(section: str) -> list[dict[str, str]]:
             f"{section}.volumes may not use the operator's volume names ({', '.join(RESERVED_VOLUMES)}, "
             f"{RESERVED_VOLUME_PREFIX}*)",
             fieldPath=".volumes",
+        ),
+        _cel(
+            "!has(self.volumes) || self.volumes.all(v, "
+            + " && ".join(f"!has(v.{source})" for source in OTHER_VOLUME_SOURCES) + ")",
+            f"{section}.volumes: every volume {VOLUME_SOURCE_MESSAGE}",
+            fieldPath=".volumes",
+        ),
+        _cel(
+            "!has(self.podAnnotations) || !self.podAnnotations.exists(k, "
+            + " || ".join(f"k.startsWith('{p}')" for p in RESERVED_ANNOTATION_PREFIXES) + ")",
+            f"{section}.podAnnotations {RESERVED_ANNOTATION_MESSAGE}",
+            fieldPath=".podAnnotations",
         ),
         _cel(
             "!has(self.volumes) || self.volumes.all(v, self.volumes.exists_one(w, w.name == v.name))",
@@ -1231,6 +1310,11 @@ class StructuredOutputsSpec(ApiModel):
 #: Most trainer pods, and processes per pod, of one run.
 MAX_TRAINER_NODES = 64
 MAX_TRAINER_PROCS_PER_NODE = 16
+#: The torch.distributed rendezvous port of a trainer of several pods (on the pod of completion index 0).
+TRAINER_RENDEZVOUS_PORT = 29500
+METRICS_PORT_MESSAGE = (
+    f"trainer.metricsPort may not be {TRAINER_RENDEZVOUS_PORT} with numNodes > 1: the trainer pods meet there"
+)
 
 FULL_TUNING_QLORA_MESSAGE = (
     "trainer.lora.quantizeBase (QLoRA) trains an adapter over a 4-bit base: it cannot be combined with "
@@ -1374,12 +1458,19 @@ class TrainerSpec(PodSettings):
         "With asyncPrefetch it must be at least prefetchDepth.",
     )
     checkpoint_interval: int = Field(default=10, ge=1, description="Write a resumable checkpoint every N steps.")
-    seed: int = Field(default=42, ge=0, description="Random seed (data order, sampling, initialisation).")
+    seed: int = Field(
+        default=42, ge=0, le=2**32 - 1,
+        description="Random seed (data order, sampling, initialisation); at most 2^32 - 1, as numpy takes it.",
+    )
     gradient_checkpointing: bool = Field(default=False, description="Trade compute for activation memory.")
     generation_timeout_seconds: float = Field(
         default=600.0, gt=0.0, description="Timeout of one generation request to the server."
     )
-    metrics_port: int = Field(default=9400, ge=1, le=65535, description="Port of the trainer's /metrics.")
+    metrics_port: int = Field(
+        default=9400, ge=1, le=65535,
+        description=f"Port of the trainer's /metrics; with numNodes > 1 not {TRAINER_RENDEZVOUS_PORT} (the "
+        "rendezvous of the trainer pods).",
+    )
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.", max_length=64)
 
     _check_image = field_validator("image")(_image)
@@ -1406,6 +1497,8 @@ class TrainerSpec(PodSettings):
             raise ValueError(MERGED_SYNC_FSDP_MESSAGE)
         if self.tuning == Tuning.FULL and self.strategy == Strategy.FSDP:
             raise ValueError(FULL_TUNING_FSDP_MESSAGE)
+        if self.num_nodes > 1 and self.metrics_port == TRAINER_RENDEZVOUS_PORT:
+            raise ValueError(METRICS_PORT_MESSAGE)
         return self
 
     @property
@@ -1631,6 +1724,47 @@ class SchedulingSpec(ApiModel):
     def _label_keys(cls, value: dict[str, str]) -> dict[str, str]:
         return _label_keys(value)
 
+    @field_validator("affinity")
+    @classmethod
+    def _affinity_shape(cls, value: dict[str, Any]) -> dict[str, Any]:
+        _check_affinity(value)
+        return value
+
+
+#: The shape of core/v1 Affinity down to its term lists: what each kind holds, list (of term objects) or object.
+_AFFINITY_SHAPE: dict[str, dict[str, type]] = {
+    "nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": dict,
+        "preferredDuringSchedulingIgnoredDuringExecution": list,
+    },
+    **{
+        kind: {
+            "requiredDuringSchedulingIgnoredDuringExecution": list,
+            "preferredDuringSchedulingIgnoredDuringExecution": list,
+        }
+        for kind in ("podAffinity", "podAntiAffinity")
+    },
+}
+
+
+def _check_affinity(affinity: dict[str, Any]) -> None:
+    """scheduling.affinity has the shape of a core/v1 Affinity (its terms are checked by the API server in the
+    pods): a value of another type would have the pods refused after the run's other children exist."""
+    for kind, rules in affinity.items():
+        if kind not in _AFFINITY_SHAPE:
+            raise ValueError(f"scheduling.affinity.{kind} is not one of {', '.join(_AFFINITY_SHAPE)}")
+        if not isinstance(rules, dict):
+            raise ValueError(f"scheduling.affinity.{kind} must be an object")
+        for key, terms in rules.items():
+            shape = _AFFINITY_SHAPE[kind].get(key)
+            if shape is None:
+                raise ValueError(f"scheduling.affinity.{kind}.{key} is not one of {', '.join(_AFFINITY_SHAPE[kind])}")
+            if not isinstance(terms, shape):
+                kind_of = "a list" if shape is list else "an object"
+                raise ValueError(f"scheduling.affinity.{kind}.{key} must be {kind_of}")
+            if isinstance(terms, list) and not all(isinstance(term, dict) for term in terms):
+                raise ValueError(f"scheduling.affinity.{kind}.{key} must be a list of objects (terms)")
+
 
 STORAGE_MOUNTS_TAKEN = "a mountPath may not be that of spec.storage or spec.storage.modelCache"
 IMMUTABLE = "spec.{field} cannot change after the run is created"
@@ -1766,6 +1900,12 @@ SPEC_RULES: list[dict[str, str]] = [
 ]
 
 TRAINER_RULES: list[dict[str, str]] = [
+    _cel(
+        f"!has(self.numNodes) || self.numNodes <= 1 || !has(self.metricsPort) || "
+        f"self.metricsPort != {TRAINER_RENDEZVOUS_PORT}",
+        METRICS_PORT_MESSAGE,
+        fieldPath=".metricsPort",
+    ),
     _cel(
         "(self.perDeviceBatchSize * self.gradientAccumulationSteps) % self.numGenerations == 0",
         "perDeviceBatchSize × gradientAccumulationSteps must be divisible by numGenerations",
@@ -1963,6 +2103,8 @@ def round_reward(value: float) -> float:
 
 class ProgressStatus(ApiModel):
     """Training progress as the trainer reports it."""
+
+    model_config = ConfigDict(allow_inf_nan=True)  # a diverged run's reward is reported as it is
 
     step: int = Field(default=0, description="Optimizer steps completed.")
     max_steps: int = Field(default=0, description="Optimizer steps to train.")

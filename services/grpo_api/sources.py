@@ -18,13 +18,14 @@ initializer, server and trainer read one answer.
 from __future__ import annotations
 
 import posixpath
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from grpo_api.models import DatasetSpec, GRPORunSpec, ModelSpec
+from grpo_api.models import REVISION_PATTERN, DatasetSpec, GRPORunSpec, ModelSpec
 
 #: Where sources are mounted in the pods.
 SOURCES_ROOT = "/mnt/grpo"
@@ -77,6 +78,10 @@ def parse_source(uri: str, field: str) -> Source:
         return ClaimSource(claim, path.strip("/"))
     if scheme == "hf":
         repo, _, revision = rest.partition("@")
+        if revision and not re.fullmatch(REVISION_PATTERN, revision):
+            # It names a directory on the run's volume: never an absolute path, '.' or '..' element.
+            raise SourceError(f"{field}: {uri!r}: the revision must be a branch, tag or commit such as main or "
+                              "refs/pr/1 (relative, no element starting with '.', no '//')")
         return HubSource(repo, revision or None)
     if scheme == "oci":
         return ImageSource(rest)
