@@ -7,6 +7,8 @@ the run's `grpo.dev/server-url` annotation. A new attempt needs a new server pro
 
 from __future__ import annotations
 
+import datetime as dt
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -172,8 +174,12 @@ def test_active_deadline_fails_the_run_and_removes_its_trainer(
     operator: OperatorProcess, kube: Kube, tiny_server: RunningServer
 ) -> None:
     server = tiny_server
-    kube.create_run("r", server_url=server.url, runPolicy={"activeDeadlineSeconds": 6})
-    kube.wait_phase("r", "Training")
+    kube.create_run("r", server_url=server.url)
+    started = kube.wait_phase("r", "Training")["startTime"]
+    wait_for(lambda: kube.job("r-trainer-1"), what="trainer Job of attempt 1")
+    # the deadline, set once the run trains (how long it took to get there depends on the machine): 3 s from now
+    elapsed = (dt.datetime.now(dt.UTC) - dt.datetime.fromisoformat(started.replace("Z", "+00:00")))
+    kube.patch_run("r", {"spec": {"runPolicy": {"activeDeadlineSeconds": math.ceil(elapsed.total_seconds()) + 3}}})
     status = kube.wait_phase("r", "Failed", reason="DeadlineExceeded", timeout=30)
     assert status["completionTime"]
     wait_for(lambda: kube.job("r-trainer-1") is None, what="trainer Job deleted")

@@ -136,7 +136,9 @@ def test_concurrent_triggers_end_with_the_highest_version_active(server, maker, 
     for _ in range(2):
         lower, higher = next_version(), next_version()
         low, high = publish(server, maker, lower), publish(server, maker, higher)
-        delays = {"higher first": (0.05, 0.0), "lower first": (0.0, 0.05), "together": (0.0, 0.0)}[order]
+        # half a second: a thread (and its client) that starts late under a loaded CI machine must still
+        # leave the first trigger ahead; 50 ms let the lower one win the lock 2 times in 15 under load
+        delays = {"higher first": (0.5, 0.0), "lower first": (0.0, 0.5), "together": (0.0, 0.0)}[order]
         low_answer, high_answer = fire(server, [(delays[0], low), (delays[1], high)])
         assert high_answer.status_code == 200, high_answer.text
         if order == "higher first":  # accepted before the lower one ran, or while it waited for the lock

@@ -46,6 +46,7 @@ class FakeInPlaceReceiver:
         self.fail_restore = False
         self.model = "disk"  # what the served model holds: disk, updating, or the committed update
         self._receives = 0
+        self.receiving = asyncio.Event()  # set when a receive has started
         #: What an update must carry (vLLM's receiver: the whole checkpoint); most tests send parts.
         self.needs: frozenset[str] = frozenset()
 
@@ -69,6 +70,7 @@ class FakeInPlaceReceiver:
     async def receive(self, update: WeightUpdateInfo, timeout: float) -> None:
         self._quiet("receive")
         self._receives += 1
+        self.receiving.set()
         await asyncio.sleep(0.05)  # a transfer takes time: a generation asked for now must wait
         if self._receives == self.fail_receive_at:
             raise WeightTransferError("the trainer went away half way")
@@ -308,7 +310,7 @@ def test_a_restore_that_fails_stops_serving(tmp_path):
 
         async def ask_during_the_update() -> None:
             nonlocal later
-            await asyncio.sleep(0.07)  # the running generation finished; the receive runs
+            await receiver.receiving.wait()  # the running generation finished; the receive runs
             assert receiver.calls[-1] == "receive" and engine.running == 0
             later = asyncio.ensure_future(generate(service))
 
