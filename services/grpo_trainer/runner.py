@@ -266,9 +266,21 @@ def _train(
         if backend is not None:
             backend.close()
     progress = session.finish()
+    _leave_process_group(torch)
     if main:
         log(f"done: step {progress.step}/{progress.max_steps}, {sync.kind} v{progress.adapter_version}")
     return progress
+
+
+def _leave_process_group(torch: Any) -> None:
+    """Several processes leave their process group together, once every rank has finished (rank 0's last
+    sync included): a rank that exits while another still exchanges on the group can abort in the
+    group's teardown ("terminate called without an active exception"). Only on success: a rank that
+    failed exits at once, and the launcher stops the others."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _platform(torch: Any) -> Platform:
