@@ -8,6 +8,7 @@ frees the engine; `grpo serve` binds loopback unless told otherwise.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -31,8 +32,8 @@ HEALTH_BOUND_S = 1.0
 
 
 @contextmanager
-def health_watch(server: RunningServer) -> Iterator[list[float]]:
-    """Poll /health/ every 50 ms in a thread while the block runs; yields the latencies (seconds)."""
+def health_watch(server: RunningServer, interval: float = 0.05) -> Iterator[list[float]]:
+    """Poll /health/ every `interval` seconds in a thread while the block runs; yields the latencies (seconds)."""
     latencies: list[float] = []
     stop = threading.Event()
 
@@ -43,10 +44,14 @@ def health_watch(server: RunningServer) -> Iterator[list[float]]:
                 response = client.get(server.url + "/health/")
                 latencies.append(time.perf_counter() - started)
                 assert response.status_code == 200, response.text
-                stop.wait(0.05)
+                stop.wait(interval)
 
     thread = threading.Thread(target=poll, daemon=True)
     thread.start()
+    deadline = time.monotonic() + 30
+    while not latencies:  # the poller's client is connected and has had one answer before the block starts
+        assert time.monotonic() < deadline and thread.is_alive(), "/health/ never answered"
+        time.sleep(0.001)
     try:
         yield latencies
     finally:
@@ -100,9 +105,12 @@ def test_a_text_that_cannot_fit_the_model_is_refused_before_tokenizing(tiny_serv
 def test_health_answers_while_a_large_chat_is_templated(tiny_server):
     content = "hello there general kenobi " * 2000
     messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": content} for i in range(300)]
-    with health_watch(tiny_server) as latencies:
-        response = httpx.post(tiny_server.url + "/v1/chat/completions",
-                              json={"messages": messages, "max_tokens": 1}, timeout=300)
+    # encoded before the watch: json.dumps of 16 MB holds this process's GIL, and the poller with it. The
+    # server's part (read, parse, template, refuse) takes a tenth of a second or so: health is polled densely
+    body = json.dumps({"messages": messages, "max_tokens": 1}).encode()
+    with health_watch(tiny_server, interval=0.002) as latencies:
+        response = httpx.post(tiny_server.url + "/v1/chat/completions", content=body,
+                              headers={"content-type": "application/json"}, timeout=300)
     assert response.status_code == 400, response.text
     assert len(latencies) >= 2 and max(latencies) < HEALTH_BOUND_S, sorted(latencies)[-5:]
 
@@ -212,7 +220,10 @@ def test_a_queued_request_whose_client_left_never_runs(tiny_server):
     first = threading.Thread(target=lambda: first_done.append((httpx.post(
         tiny_server.url + "/v1/completions", json={**body, "n": 64}, timeout=600), time.monotonic())))
     first.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 60
+    while metric(tiny_server, "grpo_server_requests_in_flight") < 1:  # the first holds the engine
+        assert time.monotonic() < deadline, "the first request never started"
+        time.sleep(0.02)
     log_before = tiny_server.log_tail(2_000_000).count("generation aborted")
     left: list[float] = []  # when each queued client gave up
 

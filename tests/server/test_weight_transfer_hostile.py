@@ -157,7 +157,7 @@ def test_an_adapter_load_under_way_at_start_is_not_mixed_with_the_pushed_weights
         time.sleep(0.05)
     loading = threading.Thread(target=load_adapter, daemon=True)
     loading.start()
-    time.sleep(0.3)  # past its check, waiting for the engine's worker
+    time.sleep(1.0)  # past its check (small reads), waiting for the engine's worker
     started = post(server, "/start_weight_update")
     assert loading.is_alive() and generating.is_alive(), "the adapter load was not under way at the start"
     assert started.status_code == 200, started.text
