@@ -32,7 +32,6 @@ CLAIM_ONLY = (
     "image",
     "image_pull_policy",
     "start_timeout",
-    "dereference",
 )
 
 
@@ -164,8 +163,10 @@ def _say(quiet: bool, line: str) -> None:
     "-L",
     "--dereference",
     is_flag=True,
-    help="Send the files that symbolic links inside a SRC directory point to, even outside it "
-    "(e.g. a Hugging Face cache snapshot); without it such links are refused.",
+    help="Follow symbolic links (with --claim or --configmap): a SRC that is a link, and links to files inside "
+    "a SRC directory, are read as what they point to, wherever that lies (e.g. a Hugging Face cache "
+    "snapshot). Without it every link is refused, named. Links to directories inside a SRC directory are "
+    "refused even with it.",
 )
 @click.option(
     "--kubeconfig",
@@ -220,6 +221,9 @@ def stage(
     Example:
       grpo stage -n team-a --configmap my-rewards \\
         ./my_rewards.py ./prompts-v2.jsonl:prompts.jsonl
+
+    In both modes only regular files (and, onto a claim, directories) are read: a symbolic link, given
+    as SRC or inside a SRC directory, is refused, named with where it points, unless -L is given.
     """
     if (claim is None) == (configmap_name is None):
         raise click.UsageError(
@@ -231,7 +235,9 @@ def stage(
         if given:
             verb = "applies" if len(given) == 1 else "apply"
             raise click.UsageError(f"{', '.join(given)} only {verb} with --claim, not with --configmap")
-        _stage_configmap(configmap_name, _configmap_sources(sources), namespace, force, kubeconfig, context, quiet)
+        _stage_configmap(
+            configmap_name, _configmap_sources(sources), namespace, force, dereference, kubeconfig, context, quiet
+        )
         return
     assert claim is not None
     if force:
@@ -269,13 +275,14 @@ def _stage_configmap(
     sources: list[configmap.Source],
     namespace: str | None,
     force: bool,
+    dereference: bool,
     kubeconfig: str | None,
     context: str | None,
     quiet: bool,
 ) -> None:
     """--configmap: check and read the files, then create or replace the ConfigMap (no pod)."""
     try:
-        payload = configmap.read_payload(configmap.collect_files(sources))
+        payload = configmap.read_payload(configmap.collect_files(sources, dereference=dereference))
         api_client, default_namespace = kube.load_client(kubeconfig, context)
         namespace = namespace or default_namespace
         manifest = configmap.build_configmap(name=name, namespace=namespace, payload=payload)

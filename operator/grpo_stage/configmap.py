@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_stage.errors import StageError
+from grpo_stage.localfiles import FileId, open_listed, status
 from grpo_stage.progress import human_bytes
 
 #: The API server's rule for ConfigMap keys.
@@ -45,6 +46,7 @@ class File:
     key: str
     path: Path
     size: int
+    file_id: FileId  # which file was listed at path: the one read
 
 
 @dataclass(frozen=True)
@@ -120,61 +122,69 @@ def _too_large(size: int) -> StageError:
     )
 
 
-def _directory_files(source: Source) -> list[File]:
-    """The regular files at the top of a SRC directory (not recursive); StageError on anything else."""
+def _directory_files(source: Source, dereference: bool) -> list[File]:
+    """The regular files at the top of a SRC directory (not recursive); StageError on anything else,
+    a symbolic link included unless `dereference` (see `localfiles`)."""
     directory = source.path
     if source.key is not None:
         raise StageError(f"SRC {directory} is a directory: give KEY only for a file (argument {source})")
     try:
-        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        names = sorted(entry.name for entry in os.scandir(directory))
     except OSError as exc:
         raise StageError(f"cannot read directory {directory}: {exc.strerror}") from exc
-    subdirectories = [e.name for e in entries if e.is_dir()]
+    listed: list[tuple[Path, os.stat_result, bool]] = []
+    for name in names:
+        path = directory / name
+        try:
+            st, via_link = status(path, dereference=dereference)
+        except OSError as exc:
+            raise StageError(f"cannot read {path}: {exc.strerror}") from exc
+        listed.append((path, st, via_link))
+    subdirectories = [path.name for path, st, _ in listed if stat.S_ISDIR(st.st_mode)]
     if subdirectories:
         raise StageError(
             f"SRC directory {directory} has subdirectories ({', '.join(subdirectories)}): only the files at its "
             "top level go into a ConfigMap; give them as SRC arguments of their own, or use --claim"
         )
     files = []
-    for entry in entries:
-        path = Path(entry.path)
-        if not entry.is_file():
-            kind = "a broken symbolic link" if entry.is_symlink() else "not a regular file"
-            raise StageError(f"{path} is {kind}: only regular files go into a ConfigMap")
-        problem = key_problem(entry.name)
+    for path, st, via_link in listed:
+        if not stat.S_ISREG(st.st_mode):
+            raise StageError(f"{path} is not a regular file: only regular files go into a ConfigMap")
+        problem = key_problem(path.name)
         if problem:
             raise StageError(f"{path}: its name is not a ConfigMap key ({problem}); rename it or give it as SRC:KEY")
-        files.append(File(key=entry.name, path=path, size=entry.stat().st_size))
+        files.append(File(key=path.name, path=path, size=st.st_size, file_id=FileId.of(st, via_link)))
     if not files:
         raise StageError(f"SRC directory {directory} holds no files")
     return files
 
 
-def _file(source: Source, st: os.stat_result) -> File:
+def _file(source: Source, st: os.stat_result, via_link: bool) -> File:
     key = source.key if source.key is not None else source.path.name
     problem = key_problem(key)
     if problem:
         raise StageError(f"the name of {source.path} is not a ConfigMap key ({problem}): give one as {source.path}:KEY")
-    return File(key=key, path=source.path, size=st.st_size)
+    return File(key=key, path=source.path, size=st.st_size, file_id=FileId.of(st, via_link))
 
 
-def collect_files(sources: list[Source]) -> list[File]:
+def collect_files(sources: list[Source], dereference: bool = False) -> list[File]:
     """The files to stage, one per key, in argument order; StageError naming the file or key.
 
-    Refuses duplicate keys and, from the files' sizes alone, anything that cannot fit (the values
-    only grow when encoded)."""
+    A symbolic link, as SRC or inside a SRC directory, is refused unless `dereference` (the rule of
+    `localfiles`, as with --claim). Refuses duplicate keys and, from the files' sizes alone, anything
+    that cannot fit (the values only grow when encoded)."""
     files: list[File] = []
     for source in sources:
         try:
-            st = source.path.stat()
+            st, via_link = status(source.path, dereference=dereference)
         except FileNotFoundError:
             raise StageError(f"SRC {source.path} does not exist (argument {source})") from None
         except OSError as exc:
             raise StageError(f"cannot read SRC {source.path}: {exc.strerror} (argument {source})") from exc
         if stat.S_ISDIR(st.st_mode):
-            files.extend(_directory_files(source))
+            files.extend(_directory_files(source, dereference))
         elif stat.S_ISREG(st.st_mode):
-            files.append(_file(source, st))
+            files.append(_file(source, st, via_link))
         else:
             raise StageError(f"SRC {source.path} is neither a regular file nor a directory (argument {source})")
     seen: dict[str, Path] = {}
@@ -195,7 +205,9 @@ def read_payload(files: list[File]) -> Payload:
     items: list[Item] = []
     for f in files:
         try:
-            content = f.path.read_bytes()
+            with open_listed(f.path, f.file_id) as stream:
+                # One byte past the limit is enough to refuse a file that grew since it was listed.
+                content = stream.read(SIZE_LIMIT + 1)
         except OSError as exc:
             raise StageError(f"cannot read {f.path}: {exc.strerror}") from exc
         try:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, Protocol, cast
 
 from grpo_stage.errors import StageError
+from grpo_stage.localfiles import open_listed
 from grpo_stage.receiver import TRAILER
 from grpo_stage.sources import Entry
 
@@ -118,8 +119,9 @@ def _write(entries: Sequence[Entry], sink: _Guard, on_read: Callable[[str, int],
             if on_read is not None:
                 on_read(name, n)
 
+        assert entry.file_id is not None  # a file entry always records which file was listed
         try:
-            with open(entry.source, "rb") as raw:
+            with open_listed(entry.source, entry.file_id) as raw:
                 reader = _HashingReader(raw, count)
                 tar.addfile(info, reader)
                 changed = os.fstat(raw.fileno()).st_size != entry.size

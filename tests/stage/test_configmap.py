@@ -86,13 +86,76 @@ def test_collect_files_default_and_explicit_keys(files: Path) -> None:
     assert got[1].size == (files / "my_rewards.py").stat().st_size
 
 
-def test_collect_files_takes_a_directorys_top_level_files(files: Path, tmp_path: Path) -> None:
-    outside = tmp_path / "outside.txt"
-    outside.write_text("linked\n")
-    os.symlink(outside, files / "linked.txt")  # a link to a file is read like the file
+def test_collect_files_takes_a_directorys_top_level_files(files: Path) -> None:
     got = cm.collect_files(sources(str(files)))
-    assert [f.key for f in got] == ["linked.txt", "my_rewards.py", "prompts.jsonl", "table.bin"]
-    assert cm.read_payload(got).data["linked.txt"] == "linked\n"
+    assert [f.key for f in got] == ["my_rewards.py", "prompts.jsonl", "table.bin"]
+    assert cm.read_payload(got).data["my_rewards.py"] == (files / "my_rewards.py").read_text()
+
+
+@pytest.fixture
+def secret(tmp_path: Path) -> Path:
+    """A stand-in private key outside the folder being staged."""
+    path = tmp_path / "home" / ".ssh" / "id_ed25519"
+    path.parent.mkdir(parents=True)
+    path.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    return path
+
+
+def test_collect_files_refuses_a_link_out_of_the_folder_naming_it(files: Path, secret: Path) -> None:
+    (files / "notes.txt").symlink_to(secret)
+    with pytest.raises(StageError, match=rf"{files}/notes\.txt is a symbolic link to {secret}: grpo stage reads only "
+                       r"regular files .* -L/--dereference"):
+        cm.collect_files(sources(str(files)))
+
+
+@pytest.mark.parametrize(
+    ("make", "args"),
+    [
+        (lambda d, s: (d / "alias.py").symlink_to("my_rewards.py"), lambda d: [str(d)]),
+        (lambda d, s: (d / "notes.txt").symlink_to(s), lambda d: [f"{d}/notes.txt"]),
+        (lambda d, s: (d / "notes.txt").symlink_to(s), lambda d: [f"{d}/notes.txt:notes.txt"]),
+        (lambda d, s: (d.parent / "linked-dir").symlink_to(d), lambda d: [str(d.parent / "linked-dir")]),
+    ],
+    ids=["inside-the-folder", "as-src", "as-src-with-key", "directory-as-src"],
+)
+def test_collect_files_refuses_every_link_unless_dereference(files: Path, secret: Path, make: Any, args: Any) -> None:
+    make(files, secret)
+    with pytest.raises(StageError, match=r"is a symbolic link to .*-L/--dereference"):
+        cm.collect_files(sources(*args(files)))
+    payload = cm.read_payload(cm.collect_files(sources(*args(files)), dereference=True))
+    assert payload.items
+
+
+def test_collect_files_dereference_reads_what_the_link_points_to(files: Path, secret: Path) -> None:
+    (files / "notes.txt").symlink_to(secret)
+    got = cm.collect_files(sources(str(files)), dereference=True)
+    assert [f.key for f in got] == ["my_rewards.py", "notes.txt", "prompts.jsonl", "table.bin"]
+    assert cm.read_payload(got).data["notes.txt"] == secret.read_text()
+
+
+@pytest.mark.parametrize("swap", ["link", "file"])
+def test_read_payload_refuses_a_file_swapped_after_it_was_listed(
+    files: Path, secret: Path, tmp_path: Path, swap: str
+) -> None:
+    listed = cm.collect_files(sources(str(files)))
+    replacement = tmp_path / "replacement"
+    if swap == "link":
+        replacement.symlink_to(secret)
+        message = r"prompts\.jsonl became a symbolic link \(to .*id_ed25519\) after it was listed"
+    else:
+        replacement.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+        message = r"prompts\.jsonl is no longer the file that was listed"
+    replacement.replace(files / "prompts.jsonl")  # made before the old one goes: not its inode
+    with pytest.raises(StageError, match=message):
+        cm.read_payload(listed)
+
+
+def test_read_payload_refuses_a_file_that_grew_past_the_limit_after_listing(files: Path) -> None:
+    listed = cm.collect_files(sources(f"{files}/prompts.jsonl"))
+    with (files / "prompts.jsonl").open("ab") as f:
+        f.write(b"x" * (cm.SIZE_LIMIT + 10))
+    with pytest.raises(StageError, match="more than the 1,000,000 bytes"):
+        cm.read_payload(listed)
 
 
 def test_collect_files_refuses_subdirectories_naming_them(files: Path) -> None:
@@ -118,7 +181,7 @@ def test_collect_files_refuses_subdirectories_naming_them(files: Path) -> None:
             lambda d: [str(d)],
             "my file.py: its name is not a ConfigMap key",
         ),
-        (lambda d: os.symlink(d / "gone", d / "dangling"), lambda d: [str(d)], "dangling is a broken symbolic link"),
+        (lambda d: os.symlink(d / "gone", d / "dangling"), lambda d: [str(d)], "dangling is a symbolic link to"),
         (lambda d: os.mkfifo(d / "pipe"), lambda d: [f"{d}/pipe"], "is neither a regular file nor a directory"),
         (lambda d: os.mkfifo(d / "pipe"), lambda d: [str(d)], "pipe is not a regular file"),
         (
@@ -279,7 +342,7 @@ def test_configmap_api_errors_name_namespace_configmap_and_rbac() -> None:
         (["x"], "give one of --claim CLAIM"),
         (["--claim", "c", "--configmap", "r", "x:y"], "not both"),
         (["--configmap", "r", "--image", "busybox", "x"], "--image only applies with --claim"),
-        (["--configmap", "r", "-L", "--start-timeout", "5", "x"], "--start-timeout, --dereference only apply"),
+        (["--configmap", "r", "--image", "busybox", "--start-timeout", "5", "x"], "--image, --start-timeout only"),
         (["--configmap", "r", "--create", "1Gi", "x"], "--create only applies with --claim"),
         (["--configmap", "r", "--image-pull-policy", "IfNotPresent", "x"], "--image-pull-policy only applies"),
         (["--claim", "c", "--force", "x:y"], "--force only applies with --configmap"),
@@ -291,6 +354,14 @@ def test_configmap_argument_errors(args: list[str], message: str) -> None:
     result = CliRunner().invoke(stage_cli.stage, args)
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+def test_configmap_refuses_a_link_before_any_api_call(files: Path, secret: Path) -> None:
+    (files / "notes.txt").symlink_to(secret)
+    result = CliRunner().invoke(stage_cli.stage, ["--configmap", "r", "--kubeconfig", "/nonexistent", str(files)])
+    assert result.exit_code == 1, result.output
+    assert f"{files}/notes.txt is a symbolic link to {secret}" in result.output
+    assert "-L/--dereference" in result.output
 
 
 def test_configmap_defaults_of_claim_options_are_not_refused(tmp_path: Path) -> None:
@@ -395,3 +466,22 @@ def test_names_a_missing_namespace(control_plane: ControlPlane, files: Path) -> 
     result = stage(control_plane, "-n", "no-such-ns", "--configmap", "rewards", f"{files}/prompts.jsonl")
     assert result.exit_code == 1
     assert "cannot create ConfigMap rewards in namespace no-such-ns: namespace no-such-ns not found" in result.output
+
+
+@pytest.mark.controlplane
+def test_a_link_out_of_the_folder_is_refused_and_only_sent_with_dereference(
+    control_plane: ControlPlane, namespace: str, core: Any, files: Path, secret: Path
+) -> None:
+    (files / "notes.txt").symlink_to(secret)
+    result = stage(control_plane, "-n", namespace, "--configmap", "leaky", str(files))
+    assert result.exit_code == 1
+    assert f"{files}/notes.txt is a symbolic link to {secret}" in result.output and "-L" in result.output
+    from kubernetes.client import ApiException
+
+    with pytest.raises(ApiException) as exc:
+        core.read_namespaced_config_map("leaky", namespace)
+    assert exc.value.status == 404
+
+    result = stage(control_plane, "-n", namespace, "--configmap", "leaky", "-L", str(files))
+    assert result.exit_code == 0, result.output
+    assert read(core, namespace, "leaky")["data"]["notes.txt"] == secret.read_text()

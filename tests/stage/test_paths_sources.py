@@ -82,29 +82,42 @@ def test_collect_a_directory_and_a_file(model_dir: Path, dataset_file: Path) -> 
             assert parent in names[:i]
 
 
-def test_collect_follows_links_inside_the_source_only(model_dir: Path, tmp_path: Path) -> None:
-    (model_dir / "alias.json").symlink_to("config.json")
-    entries = {e.name: e for e in collect([Mapping(model_dir, "m")])}
-    assert entries["m/alias.json"].size == (model_dir / "config.json").stat().st_size
-
+def test_collect_refuses_every_link_unless_dereference(model_dir: Path, tmp_path: Path) -> None:
     outside = tmp_path / "blob"
     outside.write_bytes(b"weights")
     (model_dir / "weights.bin").symlink_to(outside)
-    with pytest.raises(StageError, match=r"weights\.bin is a symbolic link to .*blob, outside .*--dereference"):
+    with pytest.raises(StageError, match=r"weights\.bin is a symbolic link to .*blob: .*regular files.*--dereference"):
         collect([Mapping(model_dir, "m")])
-    entries = {e.name: e for e in collect([Mapping(model_dir, "m")], dereference=True)}
+    (model_dir / "weights.bin").unlink()
+
+    # The same rule for a link that stays inside the folder, and for one given as SRC.
+    (model_dir / "alias.json").symlink_to("config.json")
+    with pytest.raises(StageError, match=r"alias\.json is a symbolic link to .*config\.json: .*--dereference"):
+        collect([Mapping(model_dir, "m")])
+    (tmp_path / "linked-src").symlink_to(model_dir)
+    with pytest.raises(StageError, match=r"linked-src is a symbolic link to .*my-model: .*--dereference"):
+        collect([Mapping(tmp_path / "linked-src", "m")])
+
+    (model_dir / "weights.bin").symlink_to(outside)
+    entries = {e.name: e for e in collect([Mapping(tmp_path / "linked-src", "m")], dereference=True)}
     assert entries["m/weights.bin"].size == len(b"weights")
+    assert entries["m/alias.json"].size == (model_dir / "config.json").stat().st_size
+    assert entries["m/weights.bin"].file_id is not None and entries["m/weights.bin"].file_id.via_link
+    assert entries["m/config.json"].file_id is not None and not entries["m/config.json"].file_id.via_link
 
 
 def test_collect_refuses_directory_links_broken_links_and_special_files(model_dir: Path, tmp_path: Path) -> None:
     (model_dir / "sub").symlink_to("tokenizer")
-    with pytest.raises(StageError, match="symbolic link to a directory"):
-        collect([Mapping(model_dir, "m")])
+    for dereference in (False, True):
+        with pytest.raises(StageError, match="sub is a symbolic link to a directory"):
+            collect([Mapping(model_dir, "m")], dereference=dereference)
     (model_dir / "sub").unlink()
 
     (model_dir / "dangling").symlink_to("nowhere")
-    with pytest.raises(StageError, match="broken symbolic link"):
+    with pytest.raises(StageError, match=r"dangling is a symbolic link to .*nowhere"):
         collect([Mapping(model_dir, "m")])
+    with pytest.raises(StageError, match="dangling is a broken symbolic link"):
+        collect([Mapping(model_dir, "m")], dereference=True)
     (model_dir / "dangling").unlink()
 
     os.mkfifo(model_dir / "pipe")

@@ -3,6 +3,7 @@ exec status and the manifest comparison."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -18,7 +19,7 @@ from grpo_stage.errors import StageError
 from grpo_stage.paths import Mapping
 from grpo_stage.progress import Progress, human_bytes
 from grpo_stage.receiver import TRAILER
-from grpo_stage.sources import Entry, collect
+from grpo_stage.sources import collect
 from grpo_stage.tarstream import CHUNK, FileDigest, write_tar
 
 
@@ -87,12 +88,30 @@ def test_stream_holds_exactly_the_files_under_dest_then_the_trailer(model_dir: P
 def test_stream_of_a_file_that_changed_size_is_an_error_naming_it(tmp_path: Path) -> None:
     path = tmp_path / "grows.bin"
     path.write_bytes(b"x" * 100)
-    stale = Entry(name="d/grows.bin", source=path, size=50, mode=0o644, mtime=0)
+    [listed] = collect([Mapping(path, "d/grows.bin")])
     with pytest.raises(StageError, match=r"grows\.bin changed size"):
-        write_tar([stale], ChunkSink())
-    shrunk = Entry(name="d/grows.bin", source=path, size=200, mode=0o644, mtime=0)
+        write_tar([dataclasses.replace(listed, size=50)], ChunkSink())
     with pytest.raises(StageError, match=r"grows\.bin: unexpected end of data"):
-        write_tar([shrunk], ChunkSink())
+        write_tar([dataclasses.replace(listed, size=200)], ChunkSink())
+
+
+@pytest.mark.parametrize("swap", ["link", "file"])
+def test_stream_refuses_a_file_swapped_after_it_was_listed(model_dir: Path, tmp_path: Path, swap: str) -> None:
+    secret = tmp_path / "id_ed25519"
+    secret.write_bytes(b"PRIVATE KEY")
+    entries = collect([Mapping(model_dir, "m")])
+    replacement = tmp_path / "replacement"
+    if swap == "link":  # listed as a regular file, a link to a file outside the folder when read
+        replacement.symlink_to(secret)
+        message = r"config\.json became a symbolic link \(to .*id_ed25519\) after it was listed: .*-L/--dereference"
+    else:  # another file put in its place (its parent swapped for a link would read the same)
+        replacement.write_bytes(b"PRIVATE KEY")
+        message = r"config\.json is no longer the file that was listed"
+    replacement.replace(model_dir / "config.json")  # made before the old one goes: not its inode
+    sink = ChunkSink()
+    with pytest.raises(StageError, match=message):
+        write_tar(entries, sink)
+    assert b"PRIVATE KEY" not in sink.data
 
 
 def test_progress_lines_every_ten_percent() -> None:
