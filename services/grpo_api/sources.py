@@ -4,8 +4,8 @@ A source is a URI in the spec (`model.source`, `dataset.source`, `rewardCode.sou
 
 - `pvc://CLAIM/PATH`: an existing PersistentVolumeClaim of the run's namespace, mounted read-only;
 - `hf://[ORG/]NAME[@REVISION]`: a Hugging Face repository, fetched once per run by the initializer
-  onto the run's volume (`<volume>/hub/<models|datasets>/<repo>/<revision>`, shared by the runs of
-  a claim, resumable);
+  onto the run's volume (`hub_dir`: `<volume>/hub/<models|datasets>/<ORG--NAME@REVISION>-<digest>`,
+  one folder per distinct source, shared by the runs of a claim, resumable);
 - `oci://REFERENCE`: an OCI image mounted read-only (a Kubernetes image volume);
 - `configmap://NAME`: a ConfigMap of the run's namespace (datasets and reward code).
 
@@ -17,6 +17,8 @@ initializer, server and trainer read one answer.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import posixpath
 import re
 from dataclasses import dataclass
@@ -35,6 +37,11 @@ REWARDS_DIR = "/opt/grpo/rewards"
 MODEL_TOKEN_ENV = "GRPO_HF_TOKEN_MODEL"
 DATASET_TOKEN_ENV = "GRPO_HF_TOKEN_DATASET"
 DEFAULT_REVISION = "main"
+#: Hex digits of the sha256 of a hub source's canonical form that end its folder's name (64 bits).
+HUB_DIGEST_CHARS = 16
+#: The readable part of a hub folder's name is cut to this: a name has at most 255 bytes, a revision
+#: alone up to 1031 characters; the digest keeps cut names distinct.
+HUB_READABLE_CHARS = 200
 
 
 class SourceError(ValueError):
@@ -90,6 +97,43 @@ def parse_source(uri: str, field: str) -> Source:
     raise SourceError(f"{field}: unknown scheme {scheme!r} in {uri!r} (pvc, hf, oci or configmap)")
 
 
+@dataclass(frozen=True)
+class HubKey:
+    """What makes one hf:// source distinct from another: its folder on a volume is named by it, and the
+    fetch record in that folder names it. The endpoint belongs to it (another hub's org/model@main may
+    be another repository); so would any file patterns the spec gains."""
+
+    repo_type: Literal["model", "dataset"]
+    repo_id: str
+    revision: str
+    endpoint: str | None  # without a trailing '/'; None: the default hub
+
+    def to_json(self) -> dict[str, str | None]:
+        return {"repoType": self.repo_type, "repoId": self.repo_id, "revision": self.revision,
+                "endpoint": self.endpoint}
+
+    def digest(self) -> str:
+        canonical = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:HUB_DIGEST_CHARS]
+
+
+def hub_key(repo_type: Literal["model", "dataset"], source: HubSource, endpoint: str | None) -> HubKey:
+    return HubKey(repo_type=repo_type, repo_id=source.repo_id, revision=source.revision or DEFAULT_REVISION,
+                  endpoint=endpoint.rstrip("/") if endpoint else None)
+
+
+def hub_dir(volume_root: str, key: HubKey) -> str:
+    """Where an hf:// repository lands on a volume, shared by the runs of the claim: one folder per
+    distinct source, directly under hub/<models|datasets>/.
+
+    Repository ids and revisions both may hold '/', so no path built from them alone can tell
+    hf://org/model@main from hf://org@model/main (or keep one source's folder out of another's). The
+    name is one path element: a readable ORG--NAME@REVISION ('/' as '--'), then the digest of the
+    canonical source, which alone makes it distinct."""
+    readable = f"{key.repo_id}@{key.revision}".replace("/", "--")[:HUB_READABLE_CHARS]
+    return posixpath.join(volume_root, "hub", f"{key.repo_type}s", f"{readable}-{key.digest()}")
+
+
 class HubFetch(BaseModel):
     """One hf:// repository the initializer fetches."""
 
@@ -102,6 +146,10 @@ class HubFetch(BaseModel):
     local_dir: str = Field(description="Where the files land (on the run's volume).")
     token_env: str | None = Field(default=None, description="Env variable holding the token, if any.")
     endpoint: str | None = None
+
+    @property
+    def key(self) -> HubKey:
+        return hub_key(self.repo_type, HubSource(self.repo_id, self.revision), self.endpoint)
 
 
 class ResolvedSources(BaseModel):
@@ -138,25 +186,21 @@ class ClusterLayout:
         return tuple(v.ref for v in self.volumes if v.kind == "claim")
 
 
-def hub_dir(volume_root: str, repo_type: str, source: HubSource) -> str:
-    """Where an hf:// repository lands on a volume: shared by the runs of the claim, one directory per
-    revision."""
-    return posixpath.join(volume_root, "hub", f"{repo_type}s", source.repo_id, source.revision or DEFAULT_REVISION)
-
-
 def _hub_fetch(
     role: Literal["model", "dataset"], section: ModelSpec | DatasetSpec, source: HubSource, field: str,
     volume_root: str, token_env: str,
 ) -> HubFetch:
     hub = section.hub
+    endpoint = hub.endpoint if hub is not None else None
+    key = hub_key(role, source, endpoint)
     return HubFetch(
         field=field,
-        repo_id=source.repo_id,
-        revision=source.revision or DEFAULT_REVISION,
+        repo_id=key.repo_id,
+        revision=key.revision,
         repo_type=role,
-        local_dir=hub_dir(volume_root, role, source),
+        local_dir=hub_dir(volume_root, key),
         token_env=token_env if hub is not None and hub.token_secret_ref is not None else None,
-        endpoint=hub.endpoint if hub is not None else None,
+        endpoint=endpoint,
     )
 
 

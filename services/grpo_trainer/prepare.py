@@ -3,7 +3,9 @@
 1. writes `spec.rewardCode.inline` into `sources.inline_rewards_dir` (`grpo run` only);
 2. fetches every hf:// source (`sources.fetches`) onto the volume, resumably: files already complete
    (per huggingface_hub's local-dir metadata) are not downloaded again, a failed run keeps the files
-   it finished; the endpoint is not trusted: a file list no repository has, a file going past the size
+   it finished; each source has a folder of its own, whose record (FETCH_RECORD) names the source
+   from the first download on, and a folder recorded for another source is refused, never fetched
+   over; the endpoint is not trusted: a file list no repository has, a file going past the size
    the list announces, or a file not at the resolved commit fails the fetch, and the token is never sent
    to another host than the endpoint;
 3. checks what the server and trainer will read, in their order: the model directory and its
@@ -56,7 +58,8 @@ if TYPE_CHECKING:
 PROGRESS_INTERVAL_S = 5.0
 #: Files downloaded in parallel per repository (huggingface_hub's snapshot_download uses 8 too).
 FETCH_WORKERS = 8
-#: Written into local_dir after a complete fetch: lets a later run start while the hub is unreachable.
+#: In local_dir: the source it holds (written before the first download) and, once complete, the commit and
+#: files (lets a later run start while the hub is unreachable).
 FETCH_RECORD = ".cache/grpo-fetch.json"
 #: Read timeout of the file-list call (huggingface_hub sets none: an endpoint that never answers would hang the run).
 HUB_API_TIMEOUT_S = 60.0
@@ -452,10 +455,11 @@ def _record_path(local_dir: Path) -> Path:
     return local_dir / FETCH_RECORD
 
 
-def _write_record(fetch: HubFetch, local_dir: Path, commit: str, files: list[str]) -> None:
+def _write_record(fetch: HubFetch, local_dir: Path, commit: str, files: list[str] | None) -> None:
+    """The record names the source (fetch.key) from the first download on, so that no other source is ever
+    fetched into this folder; `files` None: not complete yet."""
     path = _record_path(local_dir)
-    record = {"repoId": fetch.repo_id, "repoType": fetch.repo_type, "revision": fetch.revision, "commit": commit,
-              "files": files}
+    record = {**fetch.key.to_json(), "commit": commit, "files": files}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".grpo-fetch.", suffix=".tmp")
     with os.fdopen(fd, "w") as f:
@@ -471,13 +475,34 @@ def _read_record(local_dir: Path) -> dict[str, Any]:
     return record if isinstance(record, dict) else {}
 
 
-def complete_copy(fetch: HubFetch) -> str | None:
-    """The commit of a complete earlier fetch of this repository and revision into local_dir, if any."""
+def _recorded_key(record: dict[str, Any], fetch: HubFetch) -> dict[str, Any]:
+    return {name: record.get(name) for name in fetch.key.to_json()}
+
+
+def check_folder_owner(fetch: HubFetch) -> None:
+    """Refuse (permanent) to fetch into a folder whose record names another source: every source has a folder of
+    its own (`grpo_api.sources.hub_dir`), so such a record means the folder was copied or renamed by hand, or two
+    sources were given one folder; fetching over it would change files another run may be serving."""
     local_dir = Path(fetch.local_dir)
     record = _read_record(local_dir)
-    if (record.get("repoId"), record.get("repoType"), record.get("revision")) != (
-        fetch.repo_id, fetch.repo_type, fetch.revision
-    ):
+    if not record:
+        return
+    recorded, wanted = _recorded_key(record, fetch), fetch.key.to_json()
+    if recorded != wanted:
+        other = ", ".join(f"{name} {value!r}" for name, value in recorded.items())
+        raise PrepareFailed(
+            f"{_label(fetch)}: {local_dir} holds a fetch of another source ({other}; its record is "
+            f"{_record_path(local_dir)}); refusing to fetch over it. Each hub source has a folder of its own: "
+            "remove this one if nothing uses it",
+            permanent=True,
+        )
+
+
+def complete_copy(fetch: HubFetch) -> str | None:
+    """The commit of a complete earlier fetch of this source into local_dir, if any."""
+    local_dir = Path(fetch.local_dir)
+    record = _read_record(local_dir)
+    if _recorded_key(record, fetch) != fetch.key.to_json():
         return None
     files = record.get("files")
     if not isinstance(files, list) or not all(isinstance(f, str) and (local_dir / f).is_file() for f in files):
@@ -542,6 +567,7 @@ def fetch_repository(fetch: HubFetch, reporter: Reporter, *, workers: int = FETC
         _guard_token(token, _endpoint(fetch))
     label, endpoint = _label(fetch), _endpoint(fetch)
     local_dir = Path(fetch.local_dir)
+    check_folder_owner(fetch)
     reporter.progress(f"{label}: resolving at {endpoint}")
     api = HfApi(endpoint=endpoint, token=token)
     try:
@@ -573,10 +599,15 @@ def fetch_repository(fetch: HubFetch, reporter: Reporter, *, workers: int = FETC
     except OSError as exc:
         raise PrepareFailed(f"{label}: cannot create {local_dir}: {exc}", permanent=True) from exc
 
-    if _read_record(local_dir).get("commit") not in (None, commit):
-        # Files of another commit get replaced now: the copy is no longer the complete one on record.
-        with contextlib.suppress(OSError):
-            _record_path(local_dir).unlink()
+    record = _read_record(local_dir)
+    if record.get("commit") != commit or not isinstance(record.get("files"), list):
+        # Before the first file: the folder is this source's from now on, and (files None) not a complete copy
+        # until every file is here; files of another commit get replaced now.
+        try:
+            _write_record(fetch, local_dir, commit, None)
+        except OSError as exc:
+            raise PrepareFailed(f"{label}: cannot write the fetch record in {local_dir}: {exc}",
+                                permanent=True) from exc
 
     def download(name: str) -> None:
         before = _download_metadata(local_dir, name)

@@ -290,10 +290,46 @@ def test_a_file_the_endpoint_does_not_confirm_at_the_new_commit_is_not_taken_fro
 
     assert not failed.permanent, failed
     assert "config.json: " in str(failed) and new_commit[:12] in str(failed)
-    assert not record.exists()
+    assert json.loads(record.read_text())["files"] is None  # no longer a complete copy
+    assert prepare.complete_copy(target) is None
     fetch(target)  # the next attempt gets it
     assert (Path(target.local_dir) / "config.json").read_bytes() == moved["config.json"]
     assert json.loads(record.read_text())["commit"] == new_commit
+
+
+def local_files(target: HubFetch) -> dict[str, bytes]:
+    root = Path(target.local_dir)
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("first_complete", [True, False], ids=["complete", "interrupted"])
+@pytest.mark.parametrize(("repo", "revision"), [("org/other", "main"), ("org/m", "refs/pr/1")])
+def test_a_folder_recorded_for_another_source_is_refused_not_fetched_over(
+    hub: HostileHub, tmp_path: Path, first_complete: bool, repo: str, revision: str,
+) -> None:
+    """Each source has a folder of its own (grpo_api.sources.hub_dir); a folder whose record names another source
+    (copied or renamed by hand, or two sources given one folder) is refused before anything is fetched into it,
+    even while the first fetch is unfinished: the record names the source from the first download on."""
+    hub.add("org/m", FILES)
+    first = hub_fetch(hub, tmp_path)
+    if first_complete:
+        fetch(first)
+    else:
+        hub.fail_get["weights.bin"] = 100
+        assert not failure(first).permanent
+    before = local_files(first)
+    assert json.loads(before[".cache/grpo-fetch.json"])["repoId"] == "org/m"
+    hub.add(repo, {"config.json": b'{"model_type": "other"}', "weights.bin": b"o" * 4096})
+    hub.requests.clear()
+    second = first.model_copy(update={"repo_id": repo, "revision": revision})
+
+    refused = failure(second)
+
+    assert refused.permanent, refused
+    assert f"{first.local_dir} holds a fetch of another source (repoType 'model', repoId 'org/m', " in str(refused)
+    assert "refusing to fetch over it" in str(refused)
+    assert hub.requests == []  # not even resolved
+    assert local_files(first) == before
 
 
 def test_a_file_served_at_another_commit_than_resolved_is_refused(hub: HostileHub, tmp_path: Path) -> None:
@@ -305,7 +341,8 @@ def test_a_file_served_at_another_commit_than_resolved_is_refused(hub: HostileHu
 
     assert failed.permanent, failed
     assert "weights.bin: " in str(failed) and "e" * 12 in str(failed) and repo.commit[:12] in str(failed)
-    assert not (Path(target.local_dir) / ".cache" / "grpo-fetch.json").exists()
+    assert json.loads((Path(target.local_dir) / ".cache" / "grpo-fetch.json").read_text())["files"] is None
+    assert prepare.complete_copy(target) is None
 
 
 def test_a_pinned_commit_resolved_to_another_commit_is_refused(hub: HostileHub, tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from grpo_api.prepare_protocol import (
     parse_event,
 )
 from grpo_api.runconfig import RunConfig, run_config_for
-from grpo_api.sources import DATASET_TOKEN_ENV, MODEL_TOKEN_ENV, ResolvedSources
+from grpo_api.sources import DATASET_TOKEN_ENV, MODEL_TOKEN_ENV, ResolvedSources, local_sources
 from grpo_cli.main import cli
 from grpo_trainer.prepare import FetchProgress, PrepareFailed, Reporter, write_inline_rewards
 from tests.fixtures.hub import FakeHub, repo_files, running_hub
@@ -105,8 +105,16 @@ def hub_run_file(tmp_path: Path, endpoint: str, dataset: Path, *, repo: str = "o
     return path
 
 
-def local_model_dir(run_file: Path, repo: str = "org/tiny", revision: str = "main") -> Path:
-    return run_file.parent / ".grpo" / "prep" / "hub" / "models" / repo / revision
+def local_sources_of(run_file: Path) -> ResolvedSources:
+    """Where `grpo run` puts the run's hf:// sources (its volume root is .grpo/NAME beside the run file)."""
+    run = GRPORun.model_validate(yaml.safe_load(run_file.read_text()))
+    return local_sources(run.spec, run_file.parent / ".grpo" / run.metadata.name)
+
+
+def local_model_dir(run_file: Path) -> Path:
+    model_dir = local_sources_of(run_file).model_dir
+    assert model_dir is not None
+    return Path(model_dir)
 
 
 def write_config(tmp_path: Path, spec: dict[str, Any], sources: ResolvedSources) -> Path:
@@ -312,13 +320,18 @@ def test_a_complete_earlier_fetch_is_used_when_the_hub_is_unreachable(
 ) -> None:
     hub.add("org/tiny", repo_files(tiny_model_dir))
     monkeypatch.setenv(MODEL_TOKEN_ENV, TOKEN)
-    assert invoke(hub_run_file(tmp_path, hub.url, tiny_dataset)).exit_code == 0
+    run_file = hub_run_file(tmp_path, hub.url, tiny_dataset)
+    assert invoke(run_file).exit_code == 0
+    hub.api_status = 503
 
-    result = invoke(hub_run_file(tmp_path, f"http://127.0.0.1:{closed_port()}", tiny_dataset))
+    result = invoke(run_file)
 
     assert result.exit_code == 0, result.output
     assert any("hub unreachable; using the complete copy fetched before" in e.message for e in events(result))
     assert final(result).kind == "done"
+    # Another endpoint is another source: the copy fetched from this one does not stand in for it.
+    other = invoke(hub_run_file(tmp_path, f"http://127.0.0.1:{closed_port()}", tiny_dataset))
+    assert other.exit_code == EXIT_TRANSIENT, other.output
 
 
 def test_a_listed_file_outside_the_repository_is_refused(
@@ -352,10 +365,43 @@ def test_a_moved_branch_is_fetched_again_and_the_old_copy_is_no_longer_on_record
 
     assert invoke(run_file).exit_code == EXIT_TRANSIENT
     assert hub.file_gets() == ["config.json"]  # the unchanged files only get a HEAD
-    assert not record.exists()  # a half-updated copy must not pass for the complete one
+    assert json.loads(record.read_text())["files"] is None  # a half-updated copy must not pass for the complete one
     assert invoke(run_file).exit_code == 0
     assert (local / "config.json").read_bytes() == moved["config.json"]
     assert json.loads(record.read_text())["commit"] == new_commit
+
+
+def test_hub_sources_whose_paths_collided_are_fetched_into_folders_of_their_own(
+    hub: FakeHub, tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, termination_log: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """hf://org/tiny@main and hf://org@tiny/main (both were hub/models/org/tiny/main), two runs of one volume
+    (here `grpo run`'s .grpo/prep): each gets its own files, and fetching the second leaves the first's folder as
+    it was."""
+    first, second = ("org/tiny", "main"), ("org", "tiny/main")
+    monkeypatch.setenv(MODEL_TOKEN_ENV, TOKEN)
+    files = repo_files(tiny_model_dir)
+    config = json.loads(files["config.json"])
+    config["max_position_embeddings"] = config["max_position_embeddings"] * 2
+    other_files = {**files, "config.json": json.dumps(config).encode()}
+    for (repo_id, revision), content in ((first, files), (second, other_files)):
+        hub.add(repo_id, content).branches = (revision,)
+    run_files = []
+    for name, (repo_id, revision) in (("a", first), ("b", second)):
+        run_file = hub_run_file(tmp_path, hub.url, tiny_dataset, repo=repo_id, revision=revision)
+        run_files.append(run_file.rename(tmp_path / f"run-{name}.yaml"))  # one run name: one volume root
+
+    assert invoke(run_files[0]).exit_code == 0
+    first_dir = local_model_dir(run_files[0])
+    before = repo_files(first_dir)
+    result = invoke(run_files[1])
+
+    assert result.exit_code == 0, result.output
+    second_dir = local_model_dir(run_files[1])
+    assert first_dir != second_dir and first_dir.parent == second_dir.parent
+    assert repo_files(first_dir) == before
+    assert (first_dir / "config.json").read_bytes() == files["config.json"]
+    assert (second_dir / "config.json").read_bytes() == other_files["config.json"]
 
 
 def test_a_dataset_repository_is_fetched_and_checked(
@@ -382,7 +428,9 @@ def test_a_dataset_repository_is_fetched_and_checked(
     result = invoke(run_file)
 
     assert result.exit_code == 0, result.output
-    local = tmp_path / ".grpo" / "prep" / "hub" / "datasets" / "org" / "prompts" / "main" / "data" / "train.jsonl"
+    dataset_path = local_sources_of(run_file).dataset_path
+    assert dataset_path is not None and "/.grpo/prep/hub/datasets/org--prompts@main-" in dataset_path
+    local = Path(dataset_path)
     assert local.read_bytes() == tiny_dataset.read_bytes()
     assert sorted(hub.file_gets()) == ["README.md", "data/train.jsonl"]
     assert all(r.path.startswith(("/api/datasets/org/prompts/", "/datasets/org/prompts/resolve/"))

@@ -8,6 +8,8 @@ tests/e2e.
 
 from __future__ import annotations
 
+import posixpath
+import re
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +24,14 @@ from grpo_api.sources import (
     MODEL_TOKEN_ENV,
     REWARDS_DIR,
     ClaimSource,
+    HubKey,
     HubSource,
     ImageSource,
     SourceError,
+    cluster_layout,
+    hub_dir,
+    hub_key,
+    local_sources,
     parse_source,
 )
 from grpo_operator import builders as b
@@ -97,8 +104,9 @@ def test_an_hf_model_is_fetched_by_the_initializer_alone_with_its_token() -> Non
     (fetch,) = run_config(run).sources.fetches
     assert fetch.model_dump() == {
         "field": "spec.model.source", "repo_id": "Qwen/Qwen2.5-0.5B", "revision": "abc123", "repo_type": "model",
-        "local_dir": "/data/hub/models/Qwen/Qwen2.5-0.5B/abc123", "token_env": MODEL_TOKEN_ENV,
-        "endpoint": "https://mirror.corp"}
+        "local_dir": hub_dir("/data", HubKey("model", "Qwen/Qwen2.5-0.5B", "abc123", "https://mirror.corp")),
+        "token_env": MODEL_TOKEN_ENV, "endpoint": "https://mirror.corp"}
+    assert re.fullmatch(r"/data/hub/models/Qwen--Qwen2\.5-0\.5B@abc123-[0-9a-f]{16}", fetch.local_dir)
     assert run_config(run).sources.model_dir == fetch.local_dir
     init = b.build_initializer_job(run)
     # optional: a missing Secret reaches `grpo prepare` as an unset variable, which it names
@@ -112,8 +120,58 @@ def test_an_hf_dataset_without_token_lands_under_datasets() -> None:
     run = make_run(dataset={"source": "hf://org/prompts", "path": "data/train.parquet"})
     (fetch,) = run_config(run).sources.fetches
     assert (fetch.repo_type, fetch.revision, fetch.token_env) == ("dataset", "main", None)
-    assert run_config(run).sources.dataset_path == "/data/hub/datasets/org/prompts/main/data/train.parquet"
+    local_dir = hub_dir("/data", HubKey("dataset", "org/prompts", "main", None))
+    assert fetch.local_dir == local_dir and local_dir.startswith("/data/hub/datasets/org--prompts@main-")
+    assert run_config(run).sources.dataset_path == f"{local_dir}/data/train.parquet"
     assert DATASET_TOKEN_ENV not in raw_env(b.build_initializer_job(run))
+
+
+#: Sources that a path of ORG/NAME/REVISION folders could not tell apart or would nest in one another
+#: ('/' in both ids and revisions), or whose readable names coincide.
+DISTINCT_HUB_SOURCES = [
+    ("model", "hf://org/model@main", None),
+    ("model", "hf://org@model/main", None),  # hub/models/org/model/main too, in the old layout
+    ("model", "hf://org@model", None),  # its folder held the two above
+    ("model", "hf://org/model@main/x", None),  # inside the first one's
+    ("model", "hf://org/model@refs/pr/1", None),
+    ("model", "hf://org/model@refs--pr--1", None),  # readable name equal to refs/pr/1's
+    ("model", "hf://org--model@main", None),  # readable name equal to the first one's
+    ("model", "hf://org/model@main", "https://mirror.corp"),  # another hub's main
+    ("dataset", "hf://org/model@main", None),
+]
+
+
+@pytest.mark.parametrize("where", ["cluster", "local"])
+def test_every_distinct_hub_source_gets_a_folder_of_its_own(where: str, tmp_path: Path) -> None:
+    folders = []
+    for role, uri, endpoint in DISTINCT_HUB_SOURCES:
+        hub = {"hub": {"endpoint": endpoint}} if endpoint else {}
+        section = {"name": "m", "source": uri, **hub} if role == "model" else {"source": uri, "path": "d", **hub}
+        run = make_run(**{role: section})
+        sources = (cluster_layout(run.spec, data_claim="d", inline_rewards_configmap="r").sources
+                   if where == "cluster" else local_sources(run.spec, tmp_path))
+        (fetch,) = sources.fetches
+        folders.append(fetch.local_dir)
+    root = "/data" if where == "cluster" else str(tmp_path)
+    assert len(set(folders)) == len(folders), folders
+    for folder, (role, _, _) in zip(folders, DISTINCT_HUB_SOURCES, strict=True):
+        assert posixpath.dirname(folder) == f"{root}/hub/{role}s"  # one element: none inside another
+
+
+def test_one_source_spelled_two_ways_has_one_folder() -> None:
+    assert hub_key("model", HubSource("org/m", None), None) == hub_key("model", HubSource("org/m", "main"), None)
+    assert (hub_key("model", HubSource("org/m", "v1"), "https://mirror.corp/")
+            == hub_key("model", HubSource("org/m", "v1"), "https://mirror.corp"))
+
+
+def test_a_hub_folder_name_fits_one_path_element_and_stays_readable() -> None:
+    revision = "/".join(["r" * 128] * 8)  # the longest revision the spec admits
+    longest = hub_dir("/data", HubKey("model", f"{'o' * 96}/{'n' * 96}", revision, None))
+    assert len(posixpath.basename(longest).encode()) <= 255
+    other = hub_dir("/data", HubKey("model", f"{'o' * 96}/{'n' * 96}", revision[:-1] + "s", None))
+    assert longest != other  # the cut readable part is equal; the digest is not
+    readable = posixpath.basename(hub_dir("/d", HubKey("model", "org/m", "refs/pr/1", None)))
+    assert re.fullmatch(r"org--m@refs--pr--1-[0-9a-f]{16}", readable)
 
 
 def test_image_and_configmap_sources_become_read_only_volumes() -> None:
@@ -251,7 +309,7 @@ def test_grpo_run_fetches_hf_sources_into_the_run_directory_and_refuses_cluster_
     run = make_run(model={"name": "m", "source": "hf://org/m@v2"}, rewards=[{"function": "mine:f"}],
                    rewardCode={"inline": {"mine.py": "def f(**k):\n    return []\n"}})
     cfg = run_config_for(run, volume_root=tmp_path, server_url="http://127.0.0.1:1", token_file=None)
-    assert cfg.sources.model_dir == str(tmp_path / "hub/models/org/m/v2")
+    assert cfg.sources.model_dir == hub_dir(str(tmp_path), HubKey("model", "org/m", "v2", None))
     assert cfg.sources.inline_rewards_dir == str(tmp_path / "rewards")
     assert cfg.reward_search_paths()[0] == tmp_path / "rewards"
     for spec in ({"model": {"name": "m", "source": "pvc://models/m"}},
