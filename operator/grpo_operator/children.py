@@ -58,6 +58,7 @@ class DeploymentInfo:
     replicas: int
     #: Why it cannot make its pod (quota, admission), for status messages.
     problem: str = ""
+    terminating: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class JobInfo:
     message: str
     #: The reason of its Complete or Failed condition.
     reason: str = ""
+    terminating: bool = False
 
     @property
     def failed_by_policy(self) -> bool:
@@ -100,6 +102,9 @@ class Children:
     #: Provisioned objects this run owns; None when the executor does not watch them (then nothing
     #: counts as missing).
     objects: tuple[ObjectInfo, ...] | None = None
+    #: Objects under the run's name that an earlier run of that name left (owned by another GRPORun, or
+    #: being deleted and not this run's), described for a status message.
+    left_by_earlier_run: tuple[str, ...] = ()
 
     def has(self, kind: str, name: str) -> bool:
         """The run owns this object and it is not being deleted (True when objects are not watched)."""
@@ -135,6 +140,16 @@ class Children:
         pods = sorted(self.job_pods(job_name), key=lambda p: p.terminating)
         return next((f"pod {p.name}: {p.problem}" for p in pods if p.problem), "")
 
+    def stray_pods(self) -> list[str]:
+        """Pods under the run's name that none of this run's Jobs or its Deployment made, described: before
+        the run made any (Pending), those of an earlier run of the same name (pods are matched by label; a
+        server pod's ReplicaSet is not watched, so any server pod counts as this run's once it has a
+        Deployment)."""
+        ours = {j.name for j in self.jobs}
+        strays = list(self.pods) if self.deployment is None else []
+        strays += [p for p in (*self.trainer_pods, *self.initializer_pods) if p.job_name not in ours]
+        return [describe_leftover("Pod", p.name, None, p.terminating) for p in strays]
+
     def job_pods(self, job_name: str) -> list[PodInfo]:
         """The pods of a trainer or initializer Job, newest first."""
         pods = [p for p in (*self.trainer_pods, *self.initializer_pods) if p.job_name == job_name]
@@ -155,8 +170,21 @@ def snapshot(
     the same name must go away before a fresh server may start); Deployments and Jobs count only
     when this run owns them (one of an earlier run of the same name is being garbage-collected).
     """
+    deployments, jobs = list(deployments), list(jobs)
+    objects = None if objects is None else list(objects)
     owned_deployments = [d for d in deployments if d.owner == run_uid]
     pods = list(pods)
+    left = [
+        describe_leftover(kind, o.name, o.owner, o.terminating)
+        for kind, found in (("Deployment", deployments), ("Job", jobs))
+        for o in found
+        if _left_by_earlier_run(o.owner, o.terminating, run_uid)
+    ]
+    left += [
+        describe_leftover(o.kind, o.name, o.owner, o.terminating)
+        for o in objects or ()
+        if _left_by_earlier_run(o.owner, o.terminating, run_uid)
+    ]
     return Children(
         pods=tuple(p for p in pods if p.component == SERVER),
         trainer_pods=tuple(p for p in pods if p.component == TRAINER),
@@ -164,7 +192,22 @@ def snapshot(
         deployment=owned_deployments[0] if owned_deployments else None,
         jobs=tuple(j for j in jobs if j.owner == run_uid),
         objects=None if objects is None else tuple(o for o in objects if o.owner == run_uid),
+        left_by_earlier_run=tuple(left),
     )
+
+
+def _left_by_earlier_run(owner: str | None, terminating: bool, run_uid: str) -> bool:
+    """Another GRPORun's (one of this name, deleted: its children are being collected), or going away and
+    not this run's. An object no GRPORun owns is not this; creating over it fails the run (ChildConflict)."""
+    if owner == run_uid:
+        return False
+    return owner is not None or terminating
+
+
+def describe_leftover(kind: str, name: str, owner: str | None, terminating: bool) -> str:
+    """One object an earlier run of the same name left, for status messages and events."""
+    details = ([f"of GRPORun uid {owner}"] if owner else []) + (["being deleted"] if terminating else [])
+    return f"{kind} {name} ({', '.join(details)})" if details else f"{kind} {name}"
 
 
 def object_info(kind: str, body: dict[str, Any]) -> ObjectInfo:
@@ -289,6 +332,7 @@ def deployment_info(body: dict[str, Any]) -> DeploymentInfo:
         attempt=_attempt(template_meta.get("annotations")),
         replicas=int(spec.get("replicas", 1)),
         problem=deployment_problem(body.get("status") or {}),
+        terminating=bool(meta.get("deletionTimestamp")),
     )
 
 
@@ -322,4 +366,5 @@ def job_info(body: dict[str, Any]) -> JobInfo:
         state=state,
         message=message,
         reason=reason,
+        terminating=bool(meta.get("deletionTimestamp")),
     )

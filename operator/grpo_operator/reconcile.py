@@ -41,6 +41,7 @@ from grpo_api.lifecycle import (
     StopServer,
     TrainerState,
     decide,
+    held_by_earlier_run,
     reject,
     troubled,
     wants_health,
@@ -50,7 +51,7 @@ from grpo_api.prepare_protocol import latest_progress
 from grpo_api.runconfig import format_validation_error
 from grpo_api.sources import SourceError
 from grpo_operator import builders, metrics
-from grpo_operator.children import Children, job_info, owner_of
+from grpo_operator.children import Children, describe_leftover, job_info, owner_of
 from grpo_operator.health import DEFAULT_TIMEOUT_SECONDS, HealthClient
 from grpo_operator.kube import KubeClient
 
@@ -59,8 +60,6 @@ log = logging.getLogger("grpo_operator")
 MIN_REQUEUE_SECONDS = 0.2
 #: A reconcile that keeps failing is retried after the interval, doubling up to this.
 MAX_BACKOFF_SECONDS = 300.0
-#: While children of an earlier run of the same name go away.
-OLD_CHILDREN_POLL_SECONDS = 2.0
 #: The token Secret is read by name (never watched: the operator may not list Secrets), this often.
 TOKEN_CHECK_SECONDS = 30.0
 
@@ -228,11 +227,17 @@ def _reconcile(rt: Runtime, body: dict[str, Any], children: Children) -> float:
         deleted = execute(rt, run, children, decision)
     except ChildConflictError as exc:
         if exc.of_earlier_run:
-            # Re-created under a dying run's name: its children go first (GC), never adopted.
-            decision = troubled(run.spec, status, Reason.WAITING_FOR_OLD_CHILDREN, str(exc), now,
-                                generation=generation)
+            # Re-created under a dying run's name: its children go first (GC), never adopted. The index had
+            # not shown this one (or it is not watched, as the token Secret): the status says so all the same.
+            decision = held_by_earlier_run(run.spec, status, observed, exc.leftover, generation=generation)
             _record(rt, meta, raw_status, status, decision)
-            return OLD_CHILDREN_POLL_SECONDS
+            if decision.status.phase != Phase.PENDING and any(
+                e.reason == Reason.WAITING_FOR_OLD_CHILDREN for e in decision.of_type(Emit)
+            ):
+                # Mid-run the phase and reason stay, so _record logs no transition: the wait gets its own line.
+                log.info("%s/%s: waiting for what an earlier run of this name left to go: %s",
+                         namespace, name, exc.leftover)
+            return decision.requeue_after or rt.config.reconcile_interval
         decision = reject(status, str(exc), now, generation=generation, reason=Reason.CHILD_CONFLICT)
         _record(rt, meta, raw_status, status, decision)
         _count_failures(namespace, name, decision)
@@ -278,9 +283,11 @@ class ChildConflictError(Exception):
         self.kind, self.name, self.owner, self.terminating = kind, name, owner, terminating
         #: Owned by another GRPORun (an earlier run of this name, being garbage-collected), or going away.
         self.of_earlier_run = terminating or (owner is not None and owner[0] == KIND)
+        #: The object, described as the wait for it is reported.
+        self.leftover = describe_leftover(kind, name, owner[1] if owner is not None and owner[0] == KIND else None,
+                                          terminating)
         if self.of_earlier_run:
-            whose = f"GRPORun uid {owner[1]}" if owner is not None else "no owner"
-            detail = f"belongs to an earlier run of this name ({whose}) and is being deleted; waiting for it to go"
+            detail = "was left by an earlier run of this name; waiting for it to go"
         elif owner is not None:
             detail = f"exists and is controlled by a {owner[0]} (uid {owner[1]}), not by this run"
         else:
@@ -341,6 +348,9 @@ def observe(
     )
     attempt_running = status.phase in (Phase.STARTING_SERVER, Phase.TRAINING) and not run.spec.run_policy.suspend
     missing, lost = child_losses(rt, run, children) if attempt_running else ((), ())
+    # Before the run made anything, whatever is under its name is an earlier run's (a later phase would
+    # count its own finished pods as strays).
+    earlier = (*children.left_by_earlier_run, *children.stray_pods()) if status.phase == Phase.PENDING else ()
     return Observation(
         now=now,
         older_servers_alive=older,
@@ -356,6 +366,7 @@ def observe(
         initializer_progress=progress,
         missing_children=missing,
         lost_children=lost,
+        earlier_run_children=earlier,
     )
 
 

@@ -21,6 +21,8 @@ The contract (ARCHITECTURE.md, "Lifecycle of one run"):
   `grpo_api.exit_codes.EXIT_INVALID_SPEC`) fails the run at once (`InvalidSpec`);
 - `activeDeadlineSeconds`, `suspend` and `ttlSecondsAfterFinished` behave as on
   Kubernetes Jobs (resuming resets the deadline's start, as for Jobs);
+- a run re-created under the name of one still being deleted creates nothing until what the earlier
+  run left is gone, and says what it waits for (`WaitingForOldChildren`);
 - terminal phases stay terminal.
 
 Actions are idempotent requests ("this should exist"), re-issued on every call
@@ -33,7 +35,7 @@ belongs to, so a call whose record was lost is simply decided again and counts n
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Literal, TypeVar
 
@@ -45,6 +47,7 @@ from grpo_api.models import (
     ConditionType,
     GRPORunSpec,
     GRPORunStatus,
+    LaggingReplicaStatus,
     Mode,
     Phase,
     ProgressStatus,
@@ -64,6 +67,10 @@ MAX_KNOWN_BOOT_IDS = 64
 SERVER_HEALTH_GRACE_SECONDS = 30.0
 #: Events and condition messages stay short (events are capped at 1 KiB by convention).
 MAX_MESSAGE_CHARS = 1000
+#: How often to look again while what an earlier run of the same name left is going away.
+EARLIER_RUN_POLL_SECONDS = 2.0
+#: Objects of an earlier run named in a status message (the rest are counted).
+MAX_NAMED_OBJECTS = 5
 
 #: Reasons that describe something going wrong: their events are Warnings.
 WARNING_REASONS = frozenset(
@@ -157,6 +164,9 @@ class Observation:
     #: pods keep their old copies, which new ones would not match, so the attempt ends and the next one
     #: provisions them afresh.
     lost_children: tuple[str, ...] = ()
+    #: What an earlier run of the same name left (e.g. "PersistentVolumeClaim r-data (of GRPORun uid ...,
+    #: being deleted)"): a run re-created under a dying run's name creates nothing until it is gone.
+    earlier_run_children: tuple[str, ...] = ()
 
 
 # ----------------------------------------------------------------------------------------- actions
@@ -333,6 +343,35 @@ def troubled(
     return Decision(status=new, actions=tuple(actions))
 
 
+def held_by_earlier_run(
+    spec: GRPORunSpec,
+    status: GRPORunStatus,
+    observed: Observation,
+    what: str,
+    *,
+    generation: int | None = None,
+) -> Decision:
+    """The executor, carrying out a decision, found a child's name held by what an earlier run of the same
+    name left (`what`, e.g. an object its watch had not shown yet). Before the run made anything (Pending) it
+    waits as `decide` would have had it seen the object; later the recorded phase stays, the Reconciled
+    condition names the object, a Warning event says so once, and the executor looks again soon."""
+    if status.phase == Phase.PENDING:
+        seen = replace(observed, earlier_run_children=(*observed.earlier_run_children, what))
+        return decide(spec, status, seen, generation=generation)
+    message = f"waiting for what an earlier run of this name left to go: {what}"
+    decision = troubled(spec, status, Reason.WAITING_FOR_OLD_CHILDREN, message, observed.now, generation=generation)
+    if decision.status.phase in TERMINAL_PHASES:
+        return decision  # the active deadline passed meanwhile
+    actions = list(decision.actions)
+    before = get_condition(status.conditions, ConditionType.RECONCILED)
+    after = get_condition(decision.status.conditions, ConditionType.RECONCILED)
+    if after is not None and (before is None or (before.status, before.reason, before.message)
+                              != (after.status, after.reason, after.message)):
+        actions.append(Emit("Warning", Reason.WAITING_FOR_OLD_CHILDREN, after.message))
+    actions.append(RequeueAfter(EARLIER_RUN_POLL_SECONDS))
+    return Decision(status=decision.status, actions=tuple(actions))
+
+
 def reject(
     status: GRPORunStatus,
     message: str,
@@ -405,6 +444,8 @@ class _Step:
                 self.start_attempt(self.status.attempt + 1, Reason.RESUMED, "resumed")
             else:
                 self.initialize(Reason.RESUMED, "resumed; fetching and checking the sources")
+        elif phase == Phase.PENDING and self.obs.earlier_run_children:
+            self.wait_for_earlier_run()
         elif phase == Phase.PENDING:
             self.status.start_time = self.now
             self.initialize(Reason.CREATED, "run started; fetching and checking the sources")
@@ -428,6 +469,15 @@ class _Step:
         self.status.phase = phase
         self.status.reason = reason
         self.status.message = _truncate(message)
+
+    def wait_for_earlier_run(self) -> None:
+        """Re-created under the name of a run still being deleted: its children have this run's names, so
+        nothing is created (nor adopted, nor started beside them) until they are gone; the status says what
+        is waited for, and the executor looks again soon."""
+        self.set_phase(Phase.PENDING, Reason.WAITING_FOR_OLD_CHILDREN,
+                       f"waiting for what an earlier run of this name left to go: "
+                       f"{_enumerate(self.obs.earlier_run_children)}")
+        self.actions.append(RequeueAfter(EARLIER_RUN_POLL_SECONDS))
 
     def initialize(self, reason: Reason, message: str) -> None:
         """Before the first attempt: the initializer fetches the hf:// sources and checks that the model,
@@ -769,7 +819,9 @@ class _Step:
                              if c.body is not None and c.body.progress is not None), None)
         if progress is not None:
             self.status.progress = ProgressStatus(
-                step=progress.step, max_steps=progress.max_steps, reward_mean=progress.reward_mean
+                step=progress.step, max_steps=progress.max_steps, reward_mean=progress.reward_mean,
+                lagging_replicas=[LaggingReplicaStatus(url=r.url[:1024], since=r.since, reason=r.reason[:1024])
+                                  for r in progress.lagging_replicas[:64]],
             )
 
     # -- deadlines ---------------------------------------------------------------------------------
@@ -878,10 +930,20 @@ def _conditions(
     ):
         if flag or get_condition(conds, type_) is not None:
             put(type_, flag, reason)
-    if get_condition(conds, ConditionType.RECONCILED) is not None:
+    if reason == Reason.WAITING_FOR_OLD_CHILDREN:
+        # Where a reconcile blocked by an earlier run's object (held_by_earlier_run) reports it too.
+        conds = set_condition(conds, ConditionType.RECONCILED, "False", reason, message, now, generation)
+    elif get_condition(conds, ConditionType.RECONCILED) is not None:
         conds = set_condition(conds, ConditionType.RECONCILED, "True", Reason.RECONCILED,
                               "the last decision was carried out", now, generation)
     return conds
+
+
+def _enumerate(items: tuple[str, ...]) -> str:
+    """The first few items, and how many more there are."""
+    shown = ", ".join(items[:MAX_NAMED_OBJECTS])
+    rest = len(items) - MAX_NAMED_OBJECTS
+    return f"{shown} and {rest} more" if rest > 0 else shown
 
 
 def _truncate(message: str) -> str:

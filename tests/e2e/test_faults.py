@@ -14,6 +14,7 @@ from tests.e2e.conftest import (
     Node,
     VolumeReader,
     example_run,
+    run_status,
     wait_for,
     wait_phase,
     wait_step,
@@ -137,3 +138,43 @@ def test_deleting_a_run_mid_training_removes_every_child_within_a_minute(
 
     wait_for(all_gone, max(1.0, 60 - (time.monotonic() - started)), what=f"every child of {run} to be deleted",
              interval=1)
+
+
+def test_a_run_recreated_under_its_name_says_what_it_waits_for_and_then_trains(node: Node, staged: str) -> None:
+    """`kubectl delete --wait` then `kubectl apply` of a changed spec (the way to change an immutable section):
+    while the old pods really terminate and hold the old claim, the new run says so, then trains by itself."""
+    run = "fault-recreate"
+    node.apply(example_run(node, run, maxSteps=STEPS))
+    wait_step(node, run, 2, RUN_TIMEOUT_S)
+    old = node.get("grporun", run)
+    assert old is not None
+    old_uid = old["metadata"]["uid"]
+    node.kubectl("delete", "grporun", "-n", NAMESPACE, run, "--wait=true", timeout=120)
+    node.apply(example_run(node, run, maxSteps=STEPS // 2))
+    applied = time.monotonic()
+
+    def old_claim_left() -> bool:
+        claim = node.get("pvc", f"{run}-data")
+        refs = (claim or {}).get("metadata", {}).get("ownerReferences") or []
+        return any(r.get("uid") == old_uid for r in refs)
+
+    waited = False
+    while True:
+        status = run_status(node, run)   # read before the claim: it was there when this status was current
+        if not old_claim_left():
+            break
+        if time.monotonic() - applied > 10:   # one reconcile, with room for a loaded node
+            assert status.get("reason") == "WaitingForOldChildren", status
+            assert f"PersistentVolumeClaim {run}-data" in status.get("message", ""), status
+            waited = True
+        assert time.monotonic() - applied < 300, f"the old claim outlived its pods by minutes: {status}"
+        time.sleep(1)
+    status = wait_step(node, run, 1, RUN_TIMEOUT_S)
+    assert status["attempt"] == 1, status
+    new = node.get("grporun", run)
+    assert new is not None and new["metadata"]["uid"] != old_uid, new
+    if waited:
+        events = [e for e in node.list("events", "", NAMESPACE) if e["reason"] == "WaitingForOldChildren"
+                  and e["involvedObject"].get("uid") == new["metadata"]["uid"]]
+        assert len(events) == 1 and f"{run}-data" in events[0]["message"], events
+    node.kubectl("delete", "grporun", "-n", NAMESPACE, run, "--wait=false")

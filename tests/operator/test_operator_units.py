@@ -77,6 +77,24 @@ def test_snapshot_ignores_children_of_an_earlier_run_with_the_same_name() -> Non
     assert snap.older_server_pods(1) == [] and len(snap.older_server_pods(2)) == 1
 
 
+def test_snapshot_names_what_an_earlier_run_of_the_same_name_left() -> None:
+    stale = children.job_info(job([], uid="old"))
+    claim = children.object_info("PersistentVolumeClaim", {"metadata": {
+        "name": "r-data", "ownerReferences": owned("old"), "deletionTimestamp": "2026-01-01T00:01:00Z"}})
+    mine = children.object_info("ConfigMap", {"metadata": {"name": "r-config", "ownerReferences": owned("new")}})
+    unowned = children.object_info("ConfigMap", {"metadata": {"name": "r-rewards"}})
+    old_pod = children.pod_info({"metadata": {"name": "r-init-x", "labels": {
+        "grpo.dev/component": "initializer", "job-name": "r-init"}, "deletionTimestamp": "2026-01-01T00:01:00Z"}})
+    snap = children.snapshot("new", [old_pod], [], [stale], [claim, mine, unowned])
+    assert snap.left_by_earlier_run == (
+        "Job r-trainer-2 (of GRPORun uid old)",
+        "PersistentVolumeClaim r-data (of GRPORun uid old, being deleted)",
+    ), "an object no GRPORun owns is no earlier run's (creating over it fails the run: ChildConflict)"
+    assert snap.stray_pods() == ["Pod r-init-x (being deleted)"]
+    assert children.snapshot("new", [old_pod], [], [children.job_info(
+        {**job([], uid="new"), "metadata": {"name": "r-init", "ownerReferences": owned("new")}})]).stray_pods() == []
+
+
 @pytest.mark.parametrize(
     ("status", "problem"),
     [

@@ -25,6 +25,7 @@ from grpo_api.lifecycle import (
     TrainerState,
     decide,
     get_condition,
+    held_by_earlier_run,
     set_condition,
     wants_health,
 )
@@ -843,3 +844,70 @@ def test_a_permanent_trainer_failure_starts_no_other_attempt_now_or_later(mode: 
         assert not [a for a in step.actions if isinstance(a, CreateTrainer | Provision | CreateInitializer)]
         assert all(a.attempt == 1 for a in step.of_type(EnsureServer))
     assert later.status.attempt == 1 and later.status.failed_attempts == 1
+
+
+# -------------------------------------------------------------- re-created under a dying run's name
+
+OLD_CLAIM = "PersistentVolumeClaim r-data (of GRPORun uid old-uid, being deleted)"
+
+
+def test_a_run_recreated_under_a_dying_runs_name_waits_in_pending_naming_what_it_waits_for() -> None:
+    spec = make_spec()
+    waiting = decide(spec, status(), Observation(now=at(1), earlier_run_children=(OLD_CLAIM,)), generation=1)
+    st = waiting.status
+    assert (st.phase, st.reason) == (Phase.PENDING, Reason.WAITING_FOR_OLD_CHILDREN)
+    assert st.message is not None and OLD_CLAIM in st.message
+    assert non_meta(waiting) == [], "nothing is created (nor adopted) while the earlier run's objects exist"
+    assert [(e.type, e.reason, e.message) for e in waiting.of_type(Emit)] == [
+        ("Warning", Reason.WAITING_FOR_OLD_CHILDREN, st.message)]
+    cond = get_condition(st.conditions, "Reconciled")
+    assert cond is not None and (cond.status, cond.reason, cond.message) == ("False", "WaitingForOldChildren",
+                                                                              st.message)
+    assert waiting.requeue_after is not None and waiting.requeue_after <= 2.0, "it looks again by itself"
+    assert st.start_time is None, "the run has not started: its active deadline has not either"
+
+    again = decide(spec, st, Observation(now=at(3), earlier_run_children=(OLD_CLAIM,)), generation=1)
+    assert again.status == st and events(again) == [], "one event per wait, not one per look"
+
+    gone = decide(spec, st, Observation(now=at(5)), generation=1)
+    assert (gone.status.phase, gone.status.reason) == (Phase.INITIALIZING, Reason.CREATED)
+    assert Provision() in gone.actions and CreateInitializer() in gone.actions
+    cond = get_condition(gone.status.conditions, "Reconciled")
+    assert cond is not None and cond.status == "True"
+
+
+def test_a_long_list_of_leftovers_names_the_first_few_and_counts_the_rest() -> None:
+    left = tuple(f"Pod r-server-{i} (being deleted)" for i in range(8))
+    waiting = decide(make_spec(), status(), Observation(now=at(1), earlier_run_children=left))
+    message = waiting.status.message or ""
+    assert "r-server-4" in message and "r-server-5" not in message and message.endswith("and 3 more")
+
+
+def test_an_earlier_runs_object_found_on_create_waits_as_if_it_had_been_seen() -> None:
+    spec = make_spec()
+    found = held_by_earlier_run(spec, status(), Observation(now=at(1)), OLD_CLAIM, generation=1)
+    seen = decide(spec, status(), Observation(now=at(1), earlier_run_children=(OLD_CLAIM,)), generation=1)
+    assert found == seen
+
+
+def test_an_earlier_runs_object_found_mid_run_keeps_the_phase_and_says_so_once() -> None:
+    spec = make_spec()
+    job = "Job r-trainer-2 (of GRPORun uid old-uid, being deleted)"
+    before = status(Phase.STARTING_SERVER, 2, reason=Reason.SERVER_STARTING)
+    held = held_by_earlier_run(spec, before, Observation(now=at(5)), job, generation=1)
+    assert (held.status.phase, held.status.reason, held.status.attempt) == (
+        Phase.STARTING_SERVER, Reason.SERVER_STARTING, 2)
+    assert [e.reason for e in held.of_type(Emit)] == [Reason.WAITING_FOR_OLD_CHILDREN]
+    assert job in held.of_type(Emit)[0].message
+    cond = get_condition(held.status.conditions, "Reconciled")
+    assert cond is not None and (cond.status, cond.reason) == ("False", "WaitingForOldChildren") and job in cond.message
+    assert held.requeue_after is not None and held.requeue_after <= 2.0
+    again = held_by_earlier_run(spec, held.status, Observation(now=at(7)), job, generation=1)
+    assert events(again) == [] and again.status == held.status
+
+
+def test_an_earlier_runs_object_does_not_hold_a_run_past_its_active_deadline() -> None:
+    spec = make_spec(activeDeadlineSeconds=10)
+    held = held_by_earlier_run(spec, status(Phase.STARTING_SERVER, 2), Observation(now=at(30)), OLD_CLAIM)
+    assert (held.status.phase, held.status.reason) == (Phase.FAILED, Reason.DEADLINE_EXCEEDED)
+    assert events(held) == [("Warning", Reason.DEADLINE_EXCEEDED)]
