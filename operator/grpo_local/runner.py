@@ -8,6 +8,12 @@ server process that dies is not restarted in place (there is no kubelet): with
 one replica its trainer fails, and the next attempt starts with a fresh server
 and resumes from the last checkpoint; with several, the trainer carries on with
 the others.
+
+An attempt's trainer has ended only when every process of it has (the `grpo train`
+launcher, torchrun and every rank, which torchrun starts in sessions of their own:
+`processes.Child.alive`), and the next attempt's server starts only then: a rank
+that outlived its launcher would otherwise train on against the new server (same
+port) and into the same checkpoint folder.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import secrets
 import socket
 import sys
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +55,7 @@ from grpo_api.lifecycle import (
 )
 from grpo_api.models import TERMINAL_PHASES, EnvVar, GRPORun, GRPORunStatus, Phase
 from grpo_api.prepare_protocol import ENV_TERMINATION_LOG, latest_progress
-from grpo_api.protocol import TrainingProgress
+from grpo_api.protocol import ENV_PARENT_PID, TrainingProgress
 from grpo_api.runconfig import RUN_CONFIG_FILE, RunConfig, ServerEndpoints, run_config_for
 from grpo_local.processes import Child
 from grpo_operator.health import HealthClient
@@ -96,6 +103,11 @@ class LocalRun:
     health: HealthClient = field(default_factory=lambda: HealthClient(HEALTH_TIMEOUT_SECONDS))
 
     def __post_init__(self) -> None:
+        if not self.run.metadata.uid:
+            # Each `grpo run` is a new object, as each `kubectl apply` of a deleted run is: its attempts count from 1
+            # again, and the uid tells them from an earlier run's in the directory (the trainer's attempt record).
+            metadata = self.run.metadata.model_copy(update={"uid": uuid.uuid4().hex})
+            self.run = self.run.model_copy(update={"metadata": metadata})
         wanted = self.run.spec.effective_server.replicas - 1
         while len(self.replica_ports) < wanted:
             port = free_port()
@@ -148,7 +160,7 @@ class LocalRun:
 
     def observe(self) -> Observation:
         attempt = self.status.attempt
-        older = sum(1 for a, cs in self.servers.items() for c in cs if a < attempt and c.group_alive())
+        older = sum(1 for a, cs in self.servers.items() for c in cs if a < attempt and c.alive())
         checks = self.check_health() if wants_health(self.run.spec, self.status) else ()
         trainer, message, trainer_failed_permanently = self.trainer_state(attempt)
         initializer, init_message = self.child_state(self.initializer)
@@ -197,6 +209,11 @@ class LocalRun:
         """The attempt's trainer process: its state, what it said, and whether it failed permanently (it
         exited with EXIT_INVALID_SPEC: a configuration problem, in its own words in its termination log)."""
         child = self.trainers.get(attempt)
+        if child is not None and child.poll() is not None and child.alive():
+            # The launcher ended, processes of its attempt did not (torchrun, ranks): the attempt ends with them.
+            child.kill()
+            if child.alive():
+                return TrainerState.ACTIVE, f"waiting for the processes of attempt {attempt} to end", False
         state, message = self.child_state(child)
         if child is None or state != TrainerState.FAILED:
             return state, message, False
@@ -242,7 +259,7 @@ class LocalRun:
                 self.create_trainer(attempt)
             case DeleteTrainer(attempt=attempt):
                 child = self.trainers.get(attempt)
-                if child is not None and child.running:
+                if child is not None and child.alive():
                     child.stop()
             case Emit():
                 event = RunEvent(dt.datetime.now(dt.UTC), action.type, action.reason, action.message)
@@ -284,9 +301,11 @@ class LocalRun:
         return {**ours, **{e.name: e.literal for e in extra if e.value_from is None}}
 
     def ensure_server(self, attempt: int, replicas: int) -> None:
+        if self.end_older_trainers(attempt):
+            return  # not before every process of an earlier attempt is gone; asked again at the next step
         for other, children in self.servers.items():
             for child in children:
-                if other != attempt and child.group_alive():
+                if other != attempt and child.alive():
                     child.stop()
         if replicas < 1 or attempt in self.servers:
             return
@@ -309,9 +328,16 @@ class LocalRun:
     def server_children(self) -> list[Child]:
         return [c for children in self.servers.values() for c in children]
 
+    def end_older_trainers(self, attempt: int) -> list[Child]:
+        """Stop every trainer of an earlier attempt that has a process left; those that still have one."""
+        for other, child in self.trainers.items():
+            if other < attempt and child.alive():
+                child.stop()
+        return [c for a, c in self.trainers.items() if a < attempt and c.alive()]
+
     def stop_servers(self) -> None:
         for child in self.server_children():
-            if child.group_alive():
+            if child.alive():
                 child.stop()
 
     def create_initializer(self) -> None:
@@ -335,14 +361,16 @@ class LocalRun:
     def create_trainer(self, attempt: int) -> None:
         if attempt in self.trainers:
             return
+        self.end_older_trainers(attempt)
         self.termination_log(attempt).unlink(missing_ok=True)  # an earlier `grpo run` of this directory left it
         child = Child(
             role="trainer",
             attempt=attempt,
             argv=[self.python, "-m", "grpo_cli.main", "train", "--config", str(self.config_file)],
             log_path=self.logs_dir / f"trainer-attempt-{attempt}.log",
+            # The trainer dies with this process (a `grpo run` killed outright leaves no trainer behind).
             env={ENV_TERMINATION_LOG: str(self.termination_log(attempt)),
-                 **self.child_env(attempt, self.run.spec.trainer.env)},
+                 **self.child_env(attempt, self.run.spec.trainer.env), ENV_PARENT_PID: str(os.getpid())},
         )
         child.start()
         self.trainers[attempt] = child
@@ -351,7 +379,7 @@ class LocalRun:
         """End every child: trainers first (they talk to the server), then servers."""
         initializer = [self.initializer] if self.initializer is not None else []
         for child in [*initializer, *self.trainers.values(), *self.server_children()]:
-            if child.group_alive():
+            if child.alive():
                 child.stop()
         self.health.close()
 

@@ -15,6 +15,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 #: Response headers every generation carries, so a client can tell which policy produced it.
 BOOT_ID_HEADER = "X-GRPO-Boot-Id"
 ADAPTER_VERSION_HEADER = "X-GRPO-Adapter-Version"
+#: Request header our trainer puts on every request: its attempt. A server of a later attempt refuses it (409).
+ATTEMPT_HEADER = "X-GRPO-Attempt"
 
 #: Environment variables the containers read (rendered by the operator, set by the local runner).
 ENV_RUN_CONFIG = "GRPO_RUN_CONFIG"
@@ -22,6 +24,9 @@ ENV_TOKEN_FILE = "GRPO_TOKEN_FILE"
 ENV_TOKEN = "GRPO_TOKEN"
 ENV_SERVER_URL = "GRPO_SERVER_URL"
 ENV_ATTEMPT = "GRPO_ATTEMPT"
+#: A trainer process ends when the process of this pid does (set by `grpo run` for `grpo train`, by `grpo train`
+#: for its torchrun and by that torchrun for the ranks): no process of an attempt outlives the one that started it.
+ENV_PARENT_PID = "GRPO_PARENT_PID"
 
 
 class WireModel(BaseModel):
@@ -38,6 +43,14 @@ class ActiveAdapter(WireModel):
     loaded_at: dt.datetime = Field(description="When it became active.")
 
 
+class LaggingReplica(WireModel):
+    """A server replica that does not serve the trainer's current policy version: it gets no work."""
+
+    url: str = Field(description="The replica's address.")
+    since: dt.datetime = Field(description="Since when it has not served the current version.")
+    reason: str = Field(default="", description="Why, as the trainer last saw it.")
+
+
 class TrainingProgress(WireModel):
     """The trainer's progress file on the volume (`paths.progressFile`), relayed by the server's health."""
 
@@ -48,6 +61,11 @@ class TrainingProgress(WireModel):
     adapter_version: int | None = Field(default=None, description="Latest published adapter version.")
     sync_seconds: float | None = Field(default=None, description="Latency of the latest adapter sync.")
     attempt: int | None = Field(default=None, description="Attempt of the trainer that wrote it.")
+    lagging_replicas: list[LaggingReplica] = Field(
+        default_factory=list,
+        description="Server replicas that lag (hung, unreachable, restarted, or behind the current version): "
+        "they get no work until they serve the current version, and are caught up in the background.",
+    )
     done: bool = Field(default=False, description="The trainer finished all steps.")
     updated_at: dt.datetime = Field(description="When it was written.")
 

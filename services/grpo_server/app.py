@@ -25,7 +25,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from grpo_api.protocol import ADAPTER_VERSION_HEADER, BOOT_ID_HEADER, ErrorResponse
+from grpo_api.protocol import ADAPTER_VERSION_HEADER, ATTEMPT_HEADER, BOOT_ID_HEADER, ErrorResponse
 from grpo_server.errors import install_error_handlers
 from grpo_server.middleware import BodyLimitMiddleware, RequestMetricsMiddleware, UnexpectedErrorMiddleware
 from grpo_server.registry import BASE_SUFFIX
@@ -49,7 +49,8 @@ Every generation response carries `{BOOT_ID_HEADER}` and `{ADAPTER_VERSION_HEADE
 (version number or `none`) and the same as `boot_id` / `adapter_version` in the body.
 
 Mutating endpoints need `Authorization: Bearer <token>`; generation needs it only when the run sets
-`server.authenticateGeneration`. Errors are `{{"error": reason, "message": detail}}`.
+`server.authenticateGeneration`. A request whose `{ATTEMPT_HEADER}` names an earlier attempt of the run than
+the server's own is refused (409 `attempt_superseded`). Errors are `{{"error": reason, "message": detail}}`.
 """
 
 ERRORS: dict[int | str, dict[str, Any]] = {

@@ -7,6 +7,13 @@ grpo password <token>`), so they pass the check unchanged.
 
 With no token configured the mutating endpoints stay closed: a server that cannot
 authenticate its trainer refuses adapter loads rather than accept anyone's.
+
+Attempts: every attempt of a run gets a fresh server, which learns its attempt from `$GRPO_ATTEMPT`, and our
+trainer tags every request with its own (`X-GRPO-Attempt`). A request tagged with an earlier attempt is
+refused (409 `attempt_superseded`): a trainer process that outlived its attempt can neither load an adapter
+or weights into the next attempt's server nor generate on it. A request without the tag passes: every
+trainer of this project sends it, so an untagged request comes from a client written for vLLM (TRL's
+AsyncGRPOTrainer, Axolotl's serve script, curl), which knows nothing of attempts and still needs the token.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from grpo_api.protocol import ATTEMPT_HEADER
 from grpo_server.errors import ApiError
 
 bearer = HTTPBearer(auto_error=False, description="The run's token (Secret, $GRPO_TOKEN or tokenFile).")
@@ -27,6 +35,8 @@ Check = Callable[[Request, HTTPAuthorizationCredentials | None], Awaitable[None]
 
 #: Longest Authorization header read (a Basic header for a 256-character token and login is far shorter).
 MAX_AUTHORIZATION = 2048
+#: Most digits an attempt header may have.
+MAX_ATTEMPT_DIGITS = 9
 
 
 def _same(given: str, expected: str) -> bool:
@@ -76,6 +86,26 @@ def require_token(expected: str | None, *, enabled: bool = True) -> Check:
                 401, "unauthorized",
                 "missing or wrong token (Authorization: Bearer <token>, or Basic auth with the token as password)",
                 {"WWW-Authenticate": "Bearer"},
+            )
+
+    return check
+
+
+def require_current_attempt(own: int | None) -> Callable[[Request], Awaitable[None]]:
+    """A FastAPI dependency answering 409 to a request tagged with an attempt before `own` (the server's)."""
+
+    async def check(request: Request) -> None:
+        raw = request.headers.get(ATTEMPT_HEADER)
+        if own is None or raw is None:
+            return
+        value = raw.strip()
+        if not value.isdigit() or len(value) > MAX_ATTEMPT_DIGITS:
+            raise ApiError(400, "invalid_request", f"{ATTEMPT_HEADER} must be a whole number, got {raw[:40]!r}")
+        if int(value) < own:
+            raise ApiError(
+                409, "attempt_superseded",
+                f"this server belongs to attempt {own}; a request from attempt {int(value)} ({ATTEMPT_HEADER}) "
+                "may not change it or generate on it: that attempt has ended",
             )
 
     return check

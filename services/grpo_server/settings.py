@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_api.models import GRPORunSpec, Mode, ServerSpec, WeightTransfer
+from grpo_api.protocol import ENV_ATTEMPT
 from grpo_api.runconfig import RunConfig
 
 #: Largest request body accepted; more is answered 413. Overridable for very large token-id batches.
@@ -40,10 +41,22 @@ class ServerSettings:
     allow_chat_templates: bool = False
     #: vLLM's weight-transfer backend (ipc, nccl) for a full fine-tuning run; None: weight updates are off.
     weight_transfer: str | None = None
+    #: The run's attempt this server belongs to ($GRPO_ATTEMPT, set by the operator and `grpo run`): requests
+    #: tagged with an earlier attempt are refused. None (a server started by hand): no attempt is checked.
+    attempt: int | None = None
 
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def attempt_from(raw: str | None) -> int | None:
+    """The server's attempt from ${ENV_ATTEMPT}; None when it is unset."""
+    if raw is None or not raw.strip():
+        return None
+    if not raw.strip().isdigit() or len(raw.strip()) > 9:
+        raise ValueError(f"${ENV_ATTEMPT}={raw[:40]!r} must be a whole number (the run's attempt)")
+    return int(raw)
 
 
 def resolve_weight_transfer(spec: GRPORunSpec, auto: str | None) -> str | None:
@@ -94,4 +107,5 @@ def settings_from_config(
             env_flag(ENV_ALLOW_CHAT_TEMPLATES) if allow_chat_templates is None else allow_chat_templates
         ),
         weight_transfer=resolve_weight_transfer(config.spec, os.environ.get(ENV_WEIGHT_TRANSFER)),
+        attempt=attempt_from(os.environ.get(ENV_ATTEMPT)),
     )

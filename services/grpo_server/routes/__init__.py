@@ -23,15 +23,21 @@ from pydantic import BaseModel
 from grpo_api.protocol import ADAPTER_VERSION_HEADER, BOOT_ID_HEADER
 from grpo_api.weight_transfer import WEIGHTS_VERSION_HEADER
 from grpo_server.responses import Tagging
-from grpo_server.security import require_token
+from grpo_server.security import require_current_attempt, require_token
 from grpo_server.service import Generated, GenerationService
 
 
 def generation_router(service: GenerationService, tag: str) -> APIRouter:
-    """A router for generation endpoints: they need the run's token only with server.authenticateGeneration."""
+    """A router for generation endpoints: they need the run's token only with server.authenticateGeneration,
+    and a request tagged with an earlier attempt than the server's is refused."""
     settings = service.settings
     check = require_token(settings.token, enabled=settings.server.authenticate_generation)
-    return APIRouter(dependencies=[Depends(check)], tags=[tag])
+    return APIRouter(dependencies=[Depends(check), Depends(require_current_attempt(settings.attempt))], tags=[tag])
+
+
+def mutating(service: GenerationService) -> list[Any]:
+    """The dependencies of a route that changes the server: the run's token, then the current attempt."""
+    return [Depends(require_token(service.settings.token)), Depends(require_current_attempt(service.settings.attempt))]
 
 
 def add_routes(router: APIRouter, paths: tuple[str, ...], endpoint: Callable[..., Any], **route: Any) -> None:

@@ -1,18 +1,18 @@
-"""Adapter load, clear and prefix-cache reset: mutating, so every route needs the run's token."""
+"""Adapter load, clear and prefix-cache reset: mutating, so every route needs the run's token (and refuses a
+request of an earlier attempt)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 
 from grpo_api.protocol import SetAdapterRequest, SetAdapterResponse
-from grpo_server.routes import add_routes
+from grpo_server.routes import add_routes, mutating
 from grpo_server.schemas import ClearAdapterResponse, ResetPrefixCacheResponse
-from grpo_server.security import require_token
 from grpo_server.service import GenerationService
 
 
 def router(service: GenerationService) -> APIRouter:
-    api = APIRouter(dependencies=[Depends(require_token(service.settings.token))], tags=["adapters"])
+    api = APIRouter(dependencies=mutating(service), tags=["adapters"])
 
     async def set_adapter(body: SetAdapterRequest) -> SetAdapterResponse:
         return await service.set_adapter(body)

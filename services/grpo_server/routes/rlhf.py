@@ -8,12 +8,12 @@ LoRA) arrive through vLLM's weight-transfer routes, `/init_weight_transfer_engin
 `/start_weight_update`, `/update_weights`, `/finish_weight_update` (rules: weight_updates.py; the
 ipc backend's handles as JSON, never vLLM's pickle: grpo_api.weight_transfer). Every
 route but `/is_paused` needs the run's token (Bearer, or Basic auth with the token as password:
-`requests` sends a netrc entry).
+`requests` sends a netrc entry) and refuses a request tagged with an earlier attempt (security.py).
 """
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Query
 
 from grpo_api.protocol import SetAdapterRequest, SetAdapterResponse
 from grpo_api.weight_transfer import (
@@ -23,7 +23,7 @@ from grpo_api.weight_transfer import (
     UpdateWeightsRequest,
     WeightTransferResponse,
 )
-from grpo_server.routes import add_routes
+from grpo_server.routes import add_routes, mutating
 from grpo_server.schemas import (
     IsPausedResponse,
     LoadLoraAdapterRequest,
@@ -32,13 +32,12 @@ from grpo_server.schemas import (
     UnloadLoraAdapterRequest,
     UnloadLoraAdapterResponse,
 )
-from grpo_server.security import require_token
 from grpo_server.service import GenerationService
 
 
 def router(service: GenerationService) -> APIRouter:
     api = APIRouter(tags=["rl"])
-    token = [Depends(require_token(service.settings.token))]
+    checks = mutating(service)
 
     async def load_lora_adapter(body: LoadLoraAdapterRequest) -> SetAdapterResponse:
         request = SetAdapterRequest(lora_name=body.lora_name, lora_path=body.lora_path)
@@ -46,7 +45,7 @@ def router(service: GenerationService) -> APIRouter:
 
     add_routes(
         api, ("/v1/load_lora_adapter",), load_lora_adapter, methods=["POST"], response_model=SetAdapterResponse,
-        dependencies=token,
+        dependencies=checks,
         summary="vLLM's adapter load: validated, loaded and activated; `<name>-v<N>` is version N",
     )
 
@@ -56,7 +55,7 @@ def router(service: GenerationService) -> APIRouter:
 
     add_routes(
         api, ("/v1/unload_lora_adapter",), unload_lora_adapter, methods=["POST"],
-        response_model=UnloadLoraAdapterResponse, dependencies=token,
+        response_model=UnloadLoraAdapterResponse, dependencies=checks,
         summary="vLLM's adapter unload: no new request uses it; dropped once running ones end",
     )
 
@@ -65,7 +64,7 @@ def router(service: GenerationService) -> APIRouter:
         return PauseResponse(status="paused", mode=mode, requests=requests)
 
     add_routes(
-        api, ("/pause",), pause, methods=["POST"], response_model=PauseResponse, dependencies=token,
+        api, ("/pause",), pause, methods=["POST"], response_model=PauseResponse, dependencies=checks,
         summary="Pause generation: new requests wait for /resume; running ones are aborted, awaited or kept",
     )
 
@@ -73,7 +72,7 @@ def router(service: GenerationService) -> APIRouter:
         service.resume()
         return PauseResponse(status="resumed")
 
-    add_routes(api, ("/resume",), resume, methods=["POST"], response_model=PauseResponse, dependencies=token,
+    add_routes(api, ("/resume",), resume, methods=["POST"], response_model=PauseResponse, dependencies=checks,
                summary="Resume generation after /pause")
 
     async def init_weight_transfer_engine(body: InitWeightTransferRequest) -> WeightTransferResponse:
@@ -99,7 +98,7 @@ def router(service: GenerationService) -> APIRouter:
          "Make the update the served weights between generations; the next weights version serves"),
     ):
         add_routes(api, (path,), endpoint, methods=["POST"], response_model=WeightTransferResponse,
-                   dependencies=token, summary=summary)
+                   dependencies=checks, summary=summary)
 
     def is_paused() -> IsPausedResponse:
         return IsPausedResponse(is_paused=service.paused)
