@@ -1251,6 +1251,17 @@ class ImportanceSamplingSpec(ApiModel):
         description="truncate clips large ratios to clipMax; mask drops tokens or sequences beyond it.",
     )
     clip_max: float = Field(default=3.0, gt=1.0, description="Upper bound C of the ratio.")
+    max_drift: float = Field(
+        default=0.3,
+        gt=0.0,
+        le=100.0,
+        description="Most mean |log-ratio| a token, between the policy that trains on a stale batch and the one "
+        "that sampled it (TRL's sampling/sampling_logp_difference/mean), for the batch to be trained on; a "
+        "stale batch beyond it is generated again from the current policy "
+        "(grpo_trainer_discarded_batches{reason=\"policy_drift\"}) and prefetching backs off, so at a rate that "
+        "moves the policy that far in a step, asyncPrefetch trains as the synchronous loop does instead of "
+        "collapsing. Needs enabled; 100 trains on every stale batch.",
+    )
 
 
 STRUCTURED_OUTPUTS_RULES = [
@@ -1419,10 +1430,9 @@ class TrainerSpec(PodSettings):
         default=1, ge=1, le=8,
         description="Batches generated ahead with asyncPrefetch, requested concurrently so the server decodes "
         "them together; each adds one step to the staleness bound (a batch may be generated that many "
-        "versions behind the step that trains on it). It pays when server and trainer have GPUs of their own. "
-        "On one shared GPU the two processes take turns (time slices: a decode-shaped loop ran 2.8x slower "
-        "beside a training loop, 13.6x under MPS), so overlap slows generation and adapter loads: in a 20-step "
-        "run depth 2 was 0.26x TRL colocate's speed against 0.78x with asyncPrefetch off (BENCHMARKS.md).",
+        "versions behind the step that trains on it; importanceSampling corrects for it and its maxDrift bounds "
+        "it). It pays when server and trainer have GPUs of their own: on one shared GPU the two processes take "
+        "turns, so overlap gains little (BENCHMARKS.md has the measurements).",
     )
     num_nodes: int = Field(
         default=1, ge=1, le=MAX_TRAINER_NODES,
@@ -2101,6 +2111,14 @@ def round_reward(value: float) -> float:
     return float(f"{value:.{REWARD_DIGITS}g}") if math.isfinite(value) else value
 
 
+class LaggingReplicaStatus(ApiModel):
+    """A server replica the trainer gives no work: it does not serve the trainer's current policy version."""
+
+    url: str = Field(description="The replica's address.", max_length=1024)
+    since: dt.datetime = Field(description="Since when it has not served the current version.")
+    reason: str = Field(default="", description="Why, as the trainer last saw it.", max_length=1024)
+
+
 class ProgressStatus(ApiModel):
     """Training progress as the trainer reports it."""
 
@@ -2112,6 +2130,12 @@ class ProgressStatus(ApiModel):
         default=None,
         description=f"Mean total reward of the latest step, to {REWARD_DIGITS} significant digits (the "
         "Reward column of kubectl get; the trainer's metrics keep every digit).",
+    )
+    lagging_replicas: list[LaggingReplicaStatus] = Field(
+        default_factory=list, max_length=64,
+        description="Server replicas that lag (hung, unreachable, restarted, or behind the trainer's current "
+        "policy version), with since when: they get no work until they serve the current version and are "
+        "caught up in the background (grpo_trainer_server_replica_lagging_since_seconds).",
     )
 
     @field_validator("reward_mean")

@@ -23,8 +23,17 @@ def train(config_path: Path | None) -> None:
 
     Resumes from the latest complete checkpoint when one exists. When the run cannot continue, the reason
     goes to stderr and the termination log. Exit code 0: done; 1: failed (the next attempt may succeed);
-    2: a configuration problem no retry fixes (fix the GRPORun).
+    2: a configuration problem no retry fixes (fix the GRPORun). With $GRPO_PARENT_PID set (`grpo run` sets
+    it), the trainer ends when that process does.
     """
+    from grpo_trainer.errors import TrainingFailed
+    from grpo_trainer.launch import die_with_parent
+
+    try:
+        die_with_parent()  # first: no process of an attempt outlives the one that started it
+    except TrainingFailed as exc:
+        print(f"grpo train: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
     from grpo_trainer.runner import run_train
 
     sys.exit(run_train(config_path))

@@ -4,7 +4,8 @@ Speaks the project's protocol (`grpo_api.protocol`): `/health/`, `/set_lora_adap
 vLLM's weight-transfer routes (`grpo_api.weight_transfer`) and the OpenAI-shaped
 `/v1/completions` with token-id prompts. Every generation answer carries the server's
 boot id and the adapter and weights versions that produced it, so the caller can refuse
-a batch from the wrong policy.
+a batch from the wrong policy. Every request carries the trainer's attempt, so a server of a
+later attempt refuses a trainer process that outlived its own (409 `attempt_superseded`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pydantic import ValidationError
 
 from grpo_api.protocol import (
     ADAPTER_VERSION_HEADER,
+    ATTEMPT_HEADER,
     BOOT_ID_HEADER,
     ErrorResponse,
     HealthResponse,
@@ -102,11 +104,15 @@ class ServerClient:
         token: str | None,
         generation_timeout: float,
         on_retry: Callable[[], None] | None = None,
+        attempt: int | None = None,
     ) -> None:
+        """attempt: the trainer's, sent with every request (None: untagged, as a client written for vLLM)."""
         self.base_url = base_url.rstrip("/")
         self.generation_timeout = generation_timeout
         self._on_retry = on_retry
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if attempt is not None:
+            headers[ATTEMPT_HEADER] = str(attempt)
         # One connection pool per thread of use is not needed: httpx.Client is thread-safe for requests.
         self._http = httpx.Client(base_url=self.base_url, headers=headers, trust_env=False)
 

@@ -27,6 +27,11 @@ class AdapterSyncFailed(TrainingFailed):
     """An adapter version could not be made active on the server, even after retries."""
 
 
+class AttemptSuperseded(TrainingFailed):
+    """A later attempt of the run has claimed the volume: this process's attempt is over, and it may write
+    nothing more there (checkpoints.AttemptFence)."""
+
+
 class RewardFunctionFailed(TrainingFailed):
     """A reward function raised or returned the wrong number of rewards."""
 

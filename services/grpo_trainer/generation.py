@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from grpo_api.models import ImportanceSamplingSpec
 from grpo_trainer.client import Completions
 from grpo_trainer.errors import TrainingFailed
 from grpo_trainer.metrics import DiscardReason, TrainerMetrics
@@ -33,6 +34,8 @@ from grpo_trainer.sync import PolicySync
 
 #: Times one batch may be discarded and generated again before the run fails.
 MAX_REGENERATIONS = 4
+#: Most generation batches prefetching stays paused after batches drifted too far (DriftGuard).
+MAX_PREFETCH_HOLD = 32
 
 PromptIds = list[list[int]]
 
@@ -109,6 +112,9 @@ class Prefetcher:
     _queue: deque[_Pending] = field(default_factory=deque)
     _tokenized: dict[int, PromptIds] = field(default_factory=dict)
     _pool: concurrent.futures.ThreadPoolExecutor = field(init=False)
+    #: Batches still to take before prefetching resumes, and back-offs in a row (see back_off).
+    _hold: int = 0
+    _back_offs: int = 0
 
     def __post_init__(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max(self.depth, 1), thread_name_prefix="grpo-prefetch")
@@ -146,6 +152,11 @@ class Prefetcher:
             pending.future.cancel()
         if current is None:
             current = self._submit(prompt_ids)
+        if self._hold > 0:
+            self._hold -= 1
+            if position is not None:
+                self.cursor = position + 1
+            return current
         if position is not None:
             self.cursor = position + 1
             queued = {p.position for p in self._queue}
@@ -158,6 +169,20 @@ class Prefetcher:
     def pending_positions(self) -> list[int]:
         """Schedule positions requested ahead and not yet taken."""
         return [p.position for p in self._queue]
+
+    def back_off(self) -> None:
+        """A prefetched batch drifted too far from the policy that trained on it: the others are older still, so
+        drop them, and generate the next batches on demand: depth of them after the first back-off, twice as many
+        after each one in a row, up to MAX_PREFETCH_HOLD. While the policy moves faster per step than the bound
+        allows, prefetching is mostly paused (what it would generate could not be used); once a prefetched batch
+        is accepted again (`steady`), the pause starts short again."""
+        self.discard()
+        self._back_offs += 1
+        self._hold = min(self.depth * 2 ** (self._back_offs - 1), MAX_PREFETCH_HOLD)
+
+    def steady(self) -> None:
+        """A prefetched batch was close enough to the training policy: the next back-off starts short."""
+        self._back_offs = 0
 
     def discard(self) -> int:
         """Drop every prefetched batch (after a server restart); returns how many."""
@@ -201,6 +226,8 @@ class GenerationBackend:
         self._log = log
         self._request_ids = itertools.count(1)
         self.last_staleness: int | None = None
+        #: The next batch is generated now, from the current policy, not taken from the prefetcher.
+        self._fresh_next = False
         metrics.staleness_bound_steps.set(bound.steps)
         metrics.staleness_bound_versions.set(bound.versions_allowed)
 
@@ -245,7 +272,7 @@ class GenerationBackend:
 
     def generate(self, prompt_ids: PromptIds) -> Completions:
         """Completions for the unique prompts of one batch, from the policy TRL expects."""
-        fresh = False
+        fresh, self._fresh_next = self._fresh_next, False
         for _ in range(MAX_REGENERATIONS + 1):
             result = self._fetch(prompt_ids, fresh=fresh)
             reason = self.verdict(result)
@@ -279,6 +306,65 @@ class GenerationBackend:
         if result.seconds > 0:
             self.metrics.generation_tokens_per_second.set(result.num_tokens / result.seconds)
 
+    def regenerate_after_drift(self, drift: float, bound: float) -> None:
+        """The batch just generated drifted `drift` nats a token from the policy training on it: generate it
+        again from the current policy, and let the prefetcher back off."""
+        self.metrics.discarded_batches.labels("policy_drift").inc()
+        self._log(
+            f"discarded a generated batch (policy_drift: {drift:.3f} nats a token between its sampler and the "
+            f"policy training on it, bound {bound:g}; staleness {self.last_staleness}): generating it again from "
+            "the current policy"
+        )
+        self._fresh_next = True
+        if self.prefetcher is not None:
+            self.prefetcher.back_off()
+
+    def drift_accepted(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.steady()
+
     def close(self) -> None:
         if self.prefetcher is not None:
             self.prefetcher.close()
+
+
+@dataclass(frozen=True)
+class DriftGuard:
+    """Keeps stale batches that the policy has moved too far from out of the loss (importanceSampling.maxDrift).
+
+    A batch generated `staleness` steps ago was sampled by an older policy. The importance-sampling correction
+    reweights its tokens by the ratio of the training policy's probability to the sampler's, which is sound
+    while the two are close; when one optimizer step moves the policy far (a high learning rate), almost every
+    token's ratio is near 0 or far above the clip, a handful of tokens carry the whole gradient, and training
+    collapsed into one token on the H200 (BENCHMARKS.md, 2026-12-03). The drift is the mean |log-ratio| over the
+    batch's completion tokens (TRL's sampling/sampling_logp_difference/mean); a stale batch above `max_drift`
+    is generated again from the current policy (staleness 0), so no step trains on samples farther from its
+    policy than the bound, and asynchronous training falls back to synchronous while the policy moves that fast.
+
+    Every trainer process holds one; rank 0's has the backend and decides (the others follow its decision).
+    """
+
+    max_drift: float
+    backend: GenerationBackend | None
+
+    @classmethod
+    def for_spec(
+        cls, importance_sampling: ImportanceSamplingSpec, backend: GenerationBackend | None
+    ) -> DriftGuard | None:
+        """The guard of spec.trainer.importanceSampling; None without the correction (whose logprobs it reads)."""
+        if not importance_sampling.enabled:
+            return None
+        return cls(importance_sampling.max_drift, backend)
+
+    def rejects(self, drift: float) -> bool:
+        backend = self.backend
+        if backend is None or not backend.last_staleness:
+            return False  # a batch of the current policy differs from it only by numerics
+        if drift > self.max_drift:
+            return True
+        backend.drift_accepted()
+        return False
+
+    def regenerate(self, drift: float) -> None:
+        if self.backend is not None:
+            self.backend.regenerate_after_drift(drift, self.max_drift)

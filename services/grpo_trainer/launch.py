@@ -13,27 +13,48 @@ session.py). How the attempt ended is rank 0's exit code, passed back through a 
 itself only says that a worker failed. Every rank leaves its code: a problem every rank finds (a
 configuration error) may end another rank first, and torchrun then stops rank 0 before it writes;
 the launcher takes rank 0's code, else the lowest rank's, else torchrun's.
+
+No process outlives the attempt, whichever dies first. torchrun starts each rank in a session of its
+own, out of reach of a signal to the launcher's process group, so each process is tied to the one
+that started it instead (`die_with_parent`, `$GRPO_PARENT_PID`): the launcher to `grpo run` (when it
+started it), torchrun to the launcher (torchrun runs under this module's `__main__`, which ties it
+first) and each rank to torchrun. The kernel kills a process whose parent dies (PR_SET_PDEATHSIG), and
+a watchdog thread does the same where that is not available. The launcher also adopts what torchrun
+leaves (PR_SET_CHILD_SUBREAPER) and kills it before it exits, so when the launcher has exited (the
+trainer container's main process, in a pod) every process of its attempt has.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from types import FrameType
 
 from grpo_api.models import Strategy, TrainerSpec
-from grpo_trainer.errors import InvalidSpec
+from grpo_api.protocol import ENV_PARENT_PID
+from grpo_trainer.errors import InvalidSpec, TrainingFailed
 
 ENV_MASTER_ADDR = "GRPO_MASTER_ADDR"
 ENV_MASTER_PORT = "GRPO_MASTER_PORT"
 #: The folder where each rank leaves its exit code (file `rank-<RANK>`) for the launcher.
 ENV_EXIT_DIR = "GRPO_TRAINER_EXIT_DIR"
 ENV_NODE_RANK = "JOB_COMPLETION_INDEX"
+#: prctl(2) options: the signal a process gets when its parent dies; adopt orphaned descendants.
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+#: How often the watchdog looks at the parent (where PR_SET_PDEATHSIG is missing, the only guard).
+PARENT_POLL_SECONDS = 1.0
+#: How long the launcher waits for the processes torchrun left to be gone after SIGKILL.
+ORPHAN_REAP_SECONDS = 10.0
 
 
 def world_size(trainer: TrainerSpec) -> int:
@@ -79,7 +100,7 @@ def torchrun_argv(trainer: TrainerSpec, config_path: str | None, env: dict[str, 
         nodes, per_node, node_rank = 1, world_size(trainer), 0
         master, port = "127.0.0.1", _env_int(env, ENV_MASTER_PORT, _free_port(), 1, 65535)
     argv = [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "grpo_trainer.launch",  # torch.distributed.run, tied to the launcher first
         f"--nnodes={nodes}", f"--nproc-per-node={per_node}", f"--node-rank={node_rank}",
         f"--master-addr={master}", f"--master-port={port}",
         "-m", "grpo_cli.main", "train",
@@ -114,8 +135,9 @@ def launch(trainer: TrainerSpec, config_path: str | None) -> int:
     import torch
 
     check_gpus(trainer, dict(os.environ), torch.cuda.device_count())
+    adopting = _prctl(PR_SET_CHILD_SUBREAPER, 1)  # ranks whose torchrun died become our children
     with tempfile.TemporaryDirectory(prefix="grpo-train-") as tmp:
-        env = {**os.environ, ENV_EXIT_DIR: tmp}
+        env = {**os.environ, ENV_EXIT_DIR: tmp, ENV_PARENT_PID: str(os.getpid())}
         argv = torchrun_argv(trainer, config_path, env)
         print(f"grpo train: {world_size(trainer)} processes ({trainer.num_nodes} node(s) × "
               f"{trainer.num_proc_per_node}): {' '.join(argv[1:])}", flush=True)
@@ -130,7 +152,78 @@ def launch(trainer: TrainerSpec, config_path: str | None) -> int:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            if adopting:
+                ended = end_children()
+                if ended:
+                    print(f"grpo train: torchrun ended (code {proc.returncode}); killed the processes it left: "
+                          f"{', '.join(map(str, ended))}", file=sys.stderr, flush=True)
         return attempt_exit_code(left_codes(Path(tmp)), code)
+
+
+def _prctl(option: int, value: int) -> bool:
+    """prctl(2) on Linux; False where it is missing or refused."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(option, value, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def die_with_parent() -> None:
+    """End this process (SIGKILL) when the process named by $GRPO_PARENT_PID ends; nothing when it is unset.
+
+    It has nobody left to report to, and its attempt is over: left alive, it would train on beside the next
+    attempt, against that attempt's server and into its checkpoint folder. Raises TrainingFailed when the
+    parent is gone already (it died before the signal was armed)."""
+    raw = os.environ.get(ENV_PARENT_PID)
+    if not raw:
+        return
+    if not raw.isdigit():
+        raise TrainingFailed(f"${ENV_PARENT_PID} must be a process id, got {raw[:40]!r}")
+    parent = int(raw)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        raise TrainingFailed(f"the process that started this one (pid {parent}, ${ENV_PARENT_PID}) has ended: "
+                             "its attempt is over")
+    threading.Thread(target=_watch_parent, args=(parent,), name="grpo-parent-watchdog", daemon=True).start()
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_SECONDS)
+    print(f"grpo train: the process that started this one (pid {parent}) has ended: ending this one",
+          file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _children() -> list[int]:
+    """This process's children (Linux: /proc/self/task/*/children)."""
+    pids: list[int] = []
+    for task in Path("/proc/self/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            pids += [int(pid) for pid in task.read_text().split()]
+    return pids
+
+
+def end_children() -> list[int]:
+    """SIGKILL every child left (with PR_SET_CHILD_SUBREAPER: what torchrun left, and what those left) and reap
+    them; returns their pids. Bounded: a process that will not die is given up after ORPHAN_REAP_SECONDS."""
+    ended: list[int] = []
+    deadline = time.monotonic() + ORPHAN_REAP_SECONDS
+    while time.monotonic() < deadline:
+        children = _children()
+        if not children:
+            break
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(pid, os.WNOHANG) != (0, 0):
+                    ended.append(pid)
+        time.sleep(0.05)
+    return sorted(set(ended))
 
 
 def left_codes(folder: Path) -> dict[int, int]:
@@ -156,3 +249,20 @@ def report_exit(code: int) -> None:
     folder = os.environ.get(ENV_EXIT_DIR)
     if folder and launched():
         (Path(folder) / f"rank-{rank()}").write_text(str(code))
+
+
+def torchrun_main(argv: list[str]) -> None:
+    """torchrun, under the launcher: tied to it first, and the parent its ranks are tied to."""
+    try:
+        die_with_parent()
+    except TrainingFailed as exc:
+        print(f"grpo train: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    os.environ[ENV_PARENT_PID] = str(os.getpid())  # the ranks' environment is a copy of ours
+    from torch.distributed.run import main
+
+    main(argv)
+
+
+if __name__ == "__main__":
+    torchrun_main(sys.argv[1:])

@@ -45,6 +45,7 @@ METRIC_NAMES: tuple[str, ...] = (
     "grpo_trainer_server_restarts_total",
     "grpo_trainer_server_replicas",
     "grpo_trainer_server_replicas_ready",
+    "grpo_trainer_server_replica_lagging_since_seconds",
     "grpo_trainer_staleness_steps",
     "grpo_trainer_staleness_bound_steps",
     "grpo_trainer_staleness_versions",
@@ -82,7 +83,9 @@ _TRL_LOG_GAUGES: dict[str, tuple[str, str | None]] = {
 }
 
 #: Why a generated batch may be thrown away (GenerationClient.verdict).
-DiscardReason = Literal["server_restarted", "unknown_adapter", "stale_adapter"]
+#: policy_drift: a stale batch whose sampler is farther from the training policy than
+#: importanceSampling.maxDrift (DriftGuard), generated again from the current policy.
+DiscardReason = Literal["server_restarted", "unknown_adapter", "stale_adapter", "policy_drift"]
 DISCARD_REASONS: tuple[str, ...] = get_args(DiscardReason)
 #: Why an adapter sync attempt may fail: the server's refusals, or no confirmation, or no answer.
 SYNC_FAILURE_REASONS = (*ADAPTER_REFUSALS, "unconfirmed", "unreachable")
@@ -172,6 +175,12 @@ class TrainerMetrics:
         self.server_replicas_ready = Gauge(
             "grpo_trainer_server_replicas_ready",
             "Server replicas that served the current policy at the latest batch.", registry=r,
+        )
+        self.server_replica_lagging_since = Gauge(
+            "grpo_trainer_server_replica_lagging_since_seconds",
+            "Unix time since which a server replica has not served the current policy (hung, unreachable, "
+            "restarted, or a sync or request it has not answered): it gets no work until it does. No series "
+            "while it does.", ["replica"], registry=r,
         )
         self.staleness_steps = Histogram(
             "grpo_trainer_staleness_steps",

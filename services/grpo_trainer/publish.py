@@ -4,7 +4,9 @@ A version is written into a hidden temporary directory under the adapter root,
 checked (vLLM must be able to serve it as a plain LoRA), given a manifest,
 fsynced and renamed atomically to `v<N>`: the server never sees a half-written
 version. It holds regular files only (the server refuses symlinks and special
-files). The format itself is `grpo_api.adapters`, shared with the server.
+files). The format itself is `grpo_api.adapters`, shared with the server. A
+process of an attempt that has ended neither publishes nor prunes
+(`checkpoints.AttemptFence`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from grpo_api.adapters import (
     write_manifest,
 )
 from grpo_trainer.adapter_io import ADAPTER_CONFIG
+from grpo_trainer.checkpoints import AttemptFence
 from grpo_trainer.errors import TrainingFailed
 
 TMP_PREFIX = ".tmp-"
@@ -91,9 +94,11 @@ def _fsync_dir(path: Path) -> None:
 class AdapterStore:
     """The adapter root of a run: publishes new versions and prunes old ones."""
 
-    def __init__(self, root: Path, base_model_fingerprint: str) -> None:
+    def __init__(self, root: Path, base_model_fingerprint: str, *, fence: AttemptFence | None = None) -> None:
+        """fence: the attempt's claim on the root, checked before a version is published and before pruning."""
         self.root = root
         self.base_model_fingerprint = base_model_fingerprint
+        self.fence = fence
         self._steps: dict[int, int] = {}
         #: Highest version known elsewhere (the server's active one): never publish at or below it.
         self.floor = 0
@@ -135,6 +140,8 @@ class AdapterStore:
             fsync_tree(tmp)
             lap("fsync")
             final = version_dir(self.root, version)
+            if self.fence is not None:
+                self.fence.check(f"publish adapter v{version}")
             os.rename(tmp, final)
             _fsync_dir(self.root)
             lap("rename")
@@ -160,6 +167,8 @@ class AdapterStore:
 
     def prune(self, keep_from: int) -> list[int]:
         """Delete versions below keep_from and leftover temporary directories; returns the versions deleted."""
+        if self.fence is not None:
+            self.fence.check(f"prune adapter versions below v{keep_from}")
         removed = []
         for version in list_versions(self.root):
             if version < keep_from:

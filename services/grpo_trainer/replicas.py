@@ -7,15 +7,19 @@
 - **Every replica serves the policy.** A policy version (an adapter loaded from the shared volume, or,
   with full fine-tuning, whole weights pushed by vLLM's weight transfer: the pool's `loader`) is made
   active on every replica the pool can reach, each load confirmed by the replica's `/health/` on the
-  same boot. A replica that missed a
-  version (unreachable, restarted, newly found) gets no work until it has caught up: before its next
-  batch the current version is loaded on it. A restarted replica is one whose answers carry a new
-  boot id; its batch is thrown away and generated again.
+  same boot. Each replica's load runs on its own thread: once one replica confirmed, the others get
+  LAGGARD_SECONDS, and a replica that lags already is not waited for at all.
+- **A replica that lags gets no work.** One that missed a version (hung, unreachable, restarted, newly
+  found) or has not answered a generation request it was sent lags: it gets no work until it serves the
+  current version again, and is caught up in the background (one load at a time per replica, with
+  backoff), never on a batch's time. `grpo_trainer_server_replica_lagging_since_seconds` and the progress
+  file (`lagging_replicas`) name it and say since when. A restarted replica is one whose answers carry a
+  new boot id; its batch is thrown away and generated again.
 - **A batch is spread, prompts stay whole.** The unique prompts of a batch are split into one
   contiguous group per ready replica; all completions of a prompt come from one replica (they share
   its prefix cache). A group whose replica fails is sent to another; a group that lags far behind
   the others is also sent to a replica that is done, and the first good answer wins. The whole batch
-  has the generation timeout, not each attempt.
+  has the generation timeout, not each attempt; the batch fails only when no replica can serve it.
 
 With one replica this is the single server of before: same requests, same seed, same retries.
 """
@@ -23,6 +27,9 @@ With one replica this is the single server of before: same requests, same seed, 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import datetime as dt
+import functools
 import socket
 import threading
 import time
@@ -32,16 +39,23 @@ from typing import Any, Protocol
 
 import httpx
 
-from grpo_api.protocol import HealthResponse, SetAdapterRequest
-from grpo_trainer.client import AdapterRefused, Completions, ServerClient, backoff_delays
+from grpo_api.protocol import HealthResponse, LaggingReplica, SetAdapterRequest
+from grpo_trainer.client import (
+    BACKOFF_CAP_SECONDS,
+    BACKOFF_START_SECONDS,
+    AdapterRefused,
+    Completions,
+    ServerClient,
+    backoff_delays,
+)
 from grpo_trainer.errors import AdapterSyncFailed, ServerUnavailable, TrainingFailed
 from grpo_trainer.metrics import TrainerMetrics
 from grpo_trainer.publish import PublishedAdapter
 
 #: Refusals worth retrying: the server was busy loading another adapter.
 RETRYABLE_REFUSALS = frozenset({"adapter_load_busy"})
-#: Once one replica has a new version, how long the others may take before they are left behind (they
-#: catch up before their next batch).
+#: Once one replica has a new version, how long the others may take before they are left behind (they lag:
+#: no work until they caught up, in the background). A replica that lags already is not waited for.
 LAGGARD_SECONDS = 20.0
 #: A sync slower than this is logged with each replica's time (and the errors it was retried after).
 SLOW_SYNC_SECONDS = 2.0
@@ -49,6 +63,9 @@ SLOW_SYNC_SECONDS = 2.0
 #: is also sent to a replica that is done.
 HEDGE_FACTOR = 2.0
 HEDGE_FLOOR_SECONDS = 5.0
+#: With no group finished yet to compare with (fewer groups than replicas), a group still running this long is
+#: also sent to a replica that got none.
+HEDGE_UNFINISHED_SECONDS = 20.0
 
 Discover = Callable[[], list[str]]
 
@@ -133,6 +150,16 @@ class Replica:
     #: Why it got no work last time ("" when it may get work).
     trouble: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Its load or catch-up running in the background (one at a time), if any.
+    job: concurrent.futures.Future[Any] | None = None
+    #: When a failed catch-up may be tried again (time.monotonic), and the backoff that set it.
+    retry_at: float = 0.0
+    backoff: float = 0.0
+    #: Generation requests of finished batches it has not answered yet: it gets no work until it has.
+    unanswered: int = 0
+    #: Since when it has not served the current version (None: it does), and why, as last seen.
+    lagging_since: dt.datetime | None = None
+    lag_reason: str = ""
 
 
 class _Restarted(Exception):
@@ -145,6 +172,21 @@ class Unconfirmed(Exception):
 
 class _Unreachable(Unconfirmed):
     """No connection: once another replica has the version, this one is not waited for."""
+
+
+@dataclass(eq=False)
+class _Load:
+    """One replica's load of one version during a sync; its thread fills it in as it goes."""
+
+    replica: Replica
+    #: The replica lagged already when the sync began: not waited for once another confirmed.
+    lagged: bool
+    future: concurrent.futures.Future[Exception | None] | None = None
+    tries: int = 0
+    #: The errors it was retried after, in order; the last one is why it is not confirmed (yet).
+    errors: list[Exception] = field(default_factory=list)
+    #: Seconds from the sync's start to its confirmation.
+    took: float | None = None
 
 
 class ServerPool:
@@ -161,8 +203,11 @@ class ServerPool:
         metrics: TrainerMetrics,
         log: Callable[[str], None] = print,
         loader: PolicyLoader | None = None,
+        attempt: int | None = None,
     ) -> None:
         self.discover = discover
+        #: The trainer's attempt, on every request (a server of a later attempt refuses it).
+        self.attempt = attempt
         self.loader: PolicyLoader = loader if loader is not None else AdapterLoader()
         self.expected = max(1, expected)
         #: How the replicas are found, for messages (a DNS name, or the addresses).
@@ -176,11 +221,15 @@ class ServerPool:
         self.replicas: dict[str, Replica] = {}
         #: Boot ids of replicas that left discovery (a pod replaced comes back at another address).
         self._departed: list[str] = []
+        #: The version a sync is making active now: a replica that confirmed it may get work already.
+        self._activating: int | None = None
         self._started = False
         self._log = log
         self._lock = threading.Lock()
+        # Threads are started as needed. A hung replica holds at most its one background load and the
+        # requests it has not answered (it gets no more work), so the healthy ones always find a thread.
         self._threads = concurrent.futures.ThreadPoolExecutor(
-            max(4, 2 * self.expected), thread_name_prefix="grpo-replica"
+            max(16, 4 * self.expected), thread_name_prefix="grpo-replica"
         )
 
     def close(self) -> None:
@@ -198,13 +247,16 @@ class ServerPool:
                 if url not in self.replicas:
                     self.replicas[url] = Replica(url, ServerClient(
                         url, token=self.token, generation_timeout=self.generation_timeout,
-                        on_retry=self.metrics.generation_retries.inc,
+                        on_retry=self.metrics.generation_retries.inc, attempt=self.attempt,
                     ))
             for url in [u for u in self.replicas if u not in urls]:
                 gone = self.replicas.pop(url)
                 self._log(f"server replica {url} left discovery (boot {gone.boot_id})")
                 if gone.boot_id is not None:
                     self._departed.append(gone.boot_id)
+                if gone.lagging_since is not None:
+                    with contextlib.suppress(KeyError):
+                        self.metrics.server_replica_lagging_since.remove(url)
             replicas = [self.replicas[u] for u in sorted(self.replicas)]
         self.metrics.server_replicas.set(len(replicas))
         return replicas
@@ -216,13 +268,12 @@ class ServerPool:
         while True:
             replicas = self.refresh()
             answers: list[tuple[str, HealthResponse]] = []
-            for replica in replicas:
-                try:
-                    answers.append((replica.url, replica.client.health()))
-                except httpx.HTTPStatusError as exc:
-                    last_error = f"{replica.url}: HTTP {exc.response.status_code}: {exc.response.text[:200]}"
-                except httpx.HTTPError as exc:
-                    last_error = f"{replica.url}: {type(exc).__name__}: {exc}"
+            # All at once: a replica that does not answer holds up no other.
+            for replica, health in zip(replicas, self._threads.map(self._probe, replicas), strict=True):
+                if isinstance(health, HealthResponse):
+                    answers.append((replica.url, health))
+                else:
+                    last_error = f"{replica.url}: {health}"
             if len(answers) >= self.expected:
                 for url, health in answers:
                     replica = self.replicas[url]
@@ -240,71 +291,127 @@ class ServerPool:
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, 5.0)
 
+    @staticmethod
+    def _probe(replica: Replica) -> HealthResponse | str:
+        """A replica's `/health/`, or why it gave none."""
+        try:
+            return replica.client.health()
+        except httpx.HTTPStatusError as exc:
+            return f"HTTP {exc.response.status_code}: {exc.response.text[:200]}"
+        except httpx.HTTPError as exc:
+            return f"{type(exc).__name__}: {exc}"
+
     # -------------------------------------------------------------------------------------- adapters
 
     def activate(self, adapter: PolicyTarget, retry_seconds: float) -> int:
-        """Make the version active on every replica; the rounds of load triggers (or pushes) it took.
+        """Make the version active on every replica; the most load triggers (or pushes) one replica took.
 
-        Retries (backoff) until every replica confirmed it, or until LAGGARD_SECONDS after the first did
-        (the rest catch up before their next batch; one that cannot be connected to is not waited for once
-        another confirmed), or the retry time is spent with none confirmed: AdapterSyncFailed. A refusal
-        that is not "busy" fails at once: the adapter itself is bad.
+        Each replica's load runs on its own thread, retried with backoff until confirmed or `retry_seconds`
+        are spent. The sync is done once every replica confirmed, or LAGGARD_SECONDS after the first did; a
+        replica that lagged already, is still busy with an earlier load, or cannot be connected to is not
+        waited for once another confirmed. The rest lag: their loads go on in the background and they get
+        no work until they serve this version. None confirmed when the retry time is spent:
+        AdapterSyncFailed. A refusal that is not "busy" fails at once: the adapter itself is bad.
         """
         started = time.monotonic()
-        pending = self.refresh()
-        delays = backoff_delays(retry_seconds)
-        errors: dict[str, str] = {}
-        retried_after: dict[str, str] = {}  # the errors of replicas that confirmed later, for the log
-        took: dict[str, float] = {}
-        confirmed: list[Replica] = []
-        first_confirmed: float | None = None
-        rounds = 0
-        for attempt in range(len(delays) + 1):
-            if attempt:
-                time.sleep(delays[attempt - 1])
-                pending = [r for r in self.refresh() if r not in confirmed]
-            rounds += 1
-            if not pending and not confirmed:
-                # None found (a replaced pod is not Ready yet, so not in DNS): look again after the delay.
-                errors[self.base_url] = "no replica found"
-                continue
-            errors.pop(self.base_url, None)
-            outcomes = list(self._threads.map(lambda r: self._load(r, adapter) if self._check(r)
-                                              else _Unreachable(r.trouble), pending))
-            unreachable = set()
-            for replica, error in zip(pending, outcomes, strict=True):
-                if error is None:
-                    confirmed.append(replica)
-                    took[replica.url] = time.monotonic() - started
-                    if replica.url in errors:
-                        retried_after[replica.url] = errors.pop(replica.url)
-                    continue
-                errors[replica.url] = str(error)
-                if isinstance(error, _Unreachable):
-                    unreachable.add(replica.url)
-                if isinstance(error, AdapterRefused) and error.error not in RETRYABLE_REFUSALS:
-                    raise AdapterSyncFailed(self._sync_failure(adapter, {replica.url: str(error)}))
-            left_behind = [r for r in pending if confirmed and r.url in unreachable]
-            pending = [r for r in pending if r not in confirmed and r not in left_behind]
-            if confirmed and first_confirmed is None:
-                first_confirmed = time.monotonic()
-            if not pending or (first_confirmed is not None and time.monotonic() - first_confirmed >= LAGGARD_SECONDS):
-                break
-        if not confirmed:
-            raise AdapterSyncFailed(self._sync_failure(adapter, errors))
-        self.target = adapter
-        if rounds > 1 or time.monotonic() - started > SLOW_SYNC_SECONDS:
-            each = ", ".join(f"{url} {seconds:.1f}s" for url, seconds in took.items())
-            why = "; ".join(f"{url}: {e[:200]}" for url, e in retried_after.items())
+        self._activating = adapter.version
+        try:
+            loads, busy = self._load_everywhere(adapter, started, started + retry_seconds)
+            confirmed = [load for load in loads if load.took is not None]
+            if not confirmed:
+                errors = {load.replica.url: str(load.errors[-1]) if load.errors else "no answer" for load in loads}
+                errors.update({replica.url: "still busy with an earlier load" for replica in busy})
+                raise AdapterSyncFailed(self._sync_failure(adapter, errors or {self.base_url: "no replica found"}))
+            self.target = adapter
+        finally:
+            self._activating = None
+        seconds = time.monotonic() - started
+        tries = max(load.tries for load in loads)
+        if tries > 1 or seconds > SLOW_SYNC_SECONDS:
+            each = ", ".join(f"{load.replica.url} {load.took:.1f}s" for load in confirmed if load.took is not None)
+            why = "; ".join(f"{load.replica.url}: {str(load.errors[-1])[:200]}" for load in confirmed if load.errors)
             self._log(f"{self.loader.kind} v{adapter.version}: confirmed by {len(confirmed)} replica(s) in "
-                      f"{time.monotonic() - started:.1f}s, {rounds} round(s) ({each})"
-                      + (f"; retried after {why}" if why else ""))
-        behind = [r for r in self.replicas.values() if r not in confirmed and r.url in errors]
-        for replica in behind:
-            replica.trouble = (f"missed {self.loader.kind} v{adapter.version}: "
-                               f"{errors.get(replica.url, 'unconfirmed')}")
-            self._log(f"server replica {replica.url} {replica.trouble}; it catches up before its next batch")
-        return rounds
+                      f"{seconds:.1f}s, {tries} round(s) ({each})" + (f"; retried after {why}" if why else ""))
+        for load in loads:
+            if load.took is None:
+                why = str(load.errors[-1]) if load.errors else f"no answer within {LAGGARD_SECONDS:g}s"
+                self._lag(load.replica, f"missed {self.loader.kind} v{adapter.version}: {why}")
+        for replica in busy:
+            self._lag(replica, f"missed {self.loader.kind} v{adapter.version}: still busy with an earlier load")
+        return tries
+
+    def _load_everywhere(self, adapter: PolicyTarget, started: float, until: float
+                         ) -> tuple[list[_Load], list[Replica]]:
+        """Start the version's load on every replica found and wait as `activate` says; the loads, and the
+        replicas still busy with an earlier one."""
+        loads: dict[Replica, _Load] = {}
+        busy: dict[Replica, concurrent.futures.Future[Any] | None] = {}
+        searching = iter(backoff_delays(until - started))  # while no replica is found (a pod not Ready yet)
+        while True:
+            for replica in self.refresh():
+                if replica in loads:
+                    continue
+                load = _Load(replica, lagged=replica.lagging_since is not None)
+                load.future = self._start_job(replica, self._load_until, load, adapter, started, until)
+                if load.future is None:
+                    busy[replica] = replica.job
+                else:
+                    loads[replica] = load
+                    busy.pop(replica, None)
+            for load in loads.values():
+                assert load.future is not None
+                # A load's own failure (e.g. a server that takes no weights) is raised here.
+                error = load.future.result() if load.future.done() else None
+                if isinstance(error, AdapterRefused) and error.error not in RETRYABLE_REFUSALS:
+                    raise AdapterSyncFailed(self._sync_failure(adapter, {load.replica.url: str(error)}))
+            running = [load for load in loads.values() if load.future is not None and not load.future.done()]
+            confirmed = [started + load.took for load in loads.values() if load.took is not None]
+            now = time.monotonic()
+            waited: list[concurrent.futures.Future[Any]]
+            if confirmed:
+                left = min(confirmed) + LAGGARD_SECONDS - now
+                waited = [load.future for load in running if load.future is not None and not load.lagged
+                          and not (load.errors and isinstance(load.errors[-1], _Unreachable))]
+                if left <= 0 or not waited:
+                    return list(loads.values()), list(busy)
+                timeout = min(left, 1.0)
+            else:
+                waited = [load.future for load in running if load.future is not None]
+                waited += [job for job in busy.values() if job is not None and not job.done()]
+                if not waited and (loads or now >= until):
+                    return list(loads.values()), list(busy)  # every load gave up
+                if not waited:
+                    delay = next(searching, None)
+                    if delay is None:
+                        return [], list(busy)
+                    time.sleep(delay)
+                    continue
+                timeout = 1.0  # then look for replicas found since
+            concurrent.futures.wait(waited, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def _load_until(self, load: _Load, adapter: PolicyTarget, started: float, until: float) -> Exception | None:
+        """One replica's load of the version, retried with backoff until confirmed, refused for good, the time
+        is up or a newer version is on its way; the last error, or None when confirmed."""
+        replica = load.replica
+        delays = iter(backoff_delays(max(until - time.monotonic(), 0.0)))
+        while True:
+            load.tries += 1
+            error = self._load(replica, adapter) if self._check(replica) else _Unreachable(replica.trouble)
+            if error is None:
+                load.took = time.monotonic() - started
+                return None
+            load.errors.append(error)
+            if isinstance(error, AdapterRefused) and error.error not in RETRYABLE_REFUSALS:
+                return error
+            delay = next(delays, None)
+            if delay is None or time.monotonic() + delay > until or self._superseded(adapter):
+                return error
+            time.sleep(delay)
+
+    def _superseded(self, adapter: PolicyTarget) -> bool:
+        newest = max((v for v in (self._activating, self.target.version if self.target else None)
+                      if v is not None), default=None)
+        return newest is not None and newest > adapter.version
 
     def _sync_failure(self, adapter: PolicyTarget, errors: dict[str, str]) -> str:
         detail = "; ".join(f"{url}: {e}" for url, e in errors.items()) if len(self.replicas) > 1 \
@@ -397,22 +504,115 @@ class ServerPool:
         replica.trouble = f"could not load {self.loader.kind} v{target.version}: {error}"
         return False
 
+    def _catch_up_job(self, replica: Replica) -> bool:
+        """`catch_up` in the background; after a failure the next try waits (backoff)."""
+        if self.catch_up(replica):
+            replica.backoff, replica.retry_at = 0.0, 0.0
+            return True
+        replica.backoff = min(max(2 * replica.backoff, BACKOFF_START_SECONDS), BACKOFF_CAP_SECONDS)
+        replica.retry_at = time.monotonic() + replica.backoff
+        return False
+
+    def _start_job(self, replica: Replica, work: Callable[..., Any], *args: Any
+                   ) -> concurrent.futures.Future[Any] | None:
+        """Run `work(*args)` as the replica's background job; None when it has one running already."""
+        with self._lock:
+            if replica.job is not None and not replica.job.done():
+                return None
+            job = self._threads.submit(work, *args)
+            replica.job = job
+        job.add_done_callback(lambda done: self._job_done(replica, done))
+        return job
+
+    def _job_done(self, replica: Replica, job: concurrent.futures.Future[Any]) -> None:
+        error = None if job.cancelled() else job.exception()
+        if error is not None:
+            replica.trouble = f"{type(error).__name__}: {error}"
+        if self._serves(replica):
+            self._serving(replica)
+        elif replica.lagging_since is not None and replica.trouble:
+            replica.lag_reason = replica.trouble
+
+    # ------------------------------------------------------------------------------------ lagging
+
+    def _serves(self, replica: Replica) -> bool:
+        """It may get work: checked on its boot, every request answered, serving the target (or the version
+        a sync is making active, which it confirmed)."""
+        versions = {self.target.version if self.target is not None else None}
+        if self._activating is not None:
+            versions.add(self._activating)
+        return replica.checked and replica.unanswered == 0 and replica.version in versions
+
+    def _wanted(self) -> str:
+        return f"{self.loader.kind} v{self.target.version}" if self.target is not None else "the base weights"
+
+    def _lag(self, replica: Replica, why: str) -> None:
+        """The replica does not serve the target: it gets no work; metric, log and progress say since when."""
+        if self._serves(replica):
+            return
+        with self._lock:
+            replica.lag_reason = why
+            if replica.lagging_since is not None:
+                return
+            replica.lagging_since = dt.datetime.now(dt.UTC)
+        self.metrics.server_replica_lagging_since.labels(replica.url).set(replica.lagging_since.timestamp())
+        self._log(f"server replica {replica.url} lags ({why}): it gets no work until it serves {self._wanted()}, "
+                  "and is caught up in the background")
+
+    def _serving(self, replica: Replica) -> None:
+        with self._lock:
+            since = replica.lagging_since
+            if since is None:
+                return
+            replica.lagging_since, replica.lag_reason = None, ""
+        with contextlib.suppress(KeyError):  # gone already: the replica left discovery
+            self.metrics.server_replica_lagging_since.remove(replica.url)
+        lagged = (dt.datetime.now(dt.UTC) - since).total_seconds()
+        self._log(f"server replica {replica.url} serves {self._wanted()} again (lagged {lagged:.0f}s)")
+
+    def lagging(self) -> list[LaggingReplica]:
+        """The replicas that get no work now (they do not serve the target), with since when and why."""
+        with self._lock:
+            replicas = [self.replicas[u] for u in sorted(self.replicas)]
+        return [LaggingReplica(url=r.url, since=r.lagging_since, reason=r.lag_reason[:500])
+                for r in replicas if r.lagging_since is not None]
+
+    def _behind(self, replica: Replica) -> str:
+        if replica.unanswered:
+            return f"{replica.unanswered} generation request(s) not answered"
+        if not replica.checked:
+            return "not checked on its current boot yet"
+        served = f"{self.loader.kind} v{replica.version}" if replica.version is not None else "the base weights"
+        return f"serves {served}, not {self._wanted()}"
+
     def server_info(self) -> dict[str, Any]:
-        """vLLM-style `/server_info` of the first replica (the replicas of a run share one configuration)."""
-        replicas = self.refresh()
+        """vLLM-style `/server_info` of a replica that serves (the replicas of a run share one configuration)."""
+        replicas = sorted(self.refresh(), key=lambda r: not self._serves(r))
         if not replicas:
             raise ServerUnavailable(f"no replica of {self.base_url} found")
-        return replicas[0].client.server_info()
+        for replica in replicas[:-1]:
+            try:
+                return replica.client.server_info()
+            except httpx.HTTPError as exc:
+                self._log(f"server replica {replica.url}: /server_info failed ({type(exc).__name__}: {exc})")
+        return replicas[-1].client.server_info()
 
     # ------------------------------------------------------------------------------------ generation
 
     def ready(self) -> list[Replica]:
-        """The replicas that serve the target policy now (catching up those that fell behind)."""
-        replicas = self.refresh()
-        want = self.target.version if self.target is not None else None
-        behind = [r for r in replicas if not (r.checked and r.version == want)]
-        ok = dict(zip(behind, self._threads.map(self.catch_up, behind), strict=True)) if behind else {}
-        return [r for r in replicas if ok.get(r, True)]
+        """The replicas that serve the target policy now. One that does not lags: it is caught up in the
+        background, never on a batch's time (a hung replica would take all of it), and gets work once it serves
+        the target."""
+        ready = []
+        for replica in self.refresh():
+            if self._serves(replica):
+                self._serving(replica)
+                ready.append(replica)
+                continue
+            if replica.unanswered == 0 and time.monotonic() >= replica.retry_at:
+                self._start_job(replica, self._catch_up_job, replica)
+            self._lag(replica, replica.trouble or self._behind(replica))
+        return ready
 
     def completions(
         self, *, model: str, prompts: Sequence[Sequence[int]], n: int, sampling: dict[str, Any]
@@ -432,12 +632,17 @@ class ServerPool:
             if ready:
                 return ready
             if time.monotonic() >= deadline:
-                troubles = "; ".join(f"{r.url}: {r.trouble}" for r in self.replicas.values()) or "none found"
+                troubles = "; ".join(f"{r.url}: {r.trouble or r.lag_reason}" for r in self.replicas.values())
                 raise ServerUnavailable(
                     f"no replica of {self.base_url} could generate within {self.generation_timeout:g}s "
-                    f"(trainer.generationTimeoutSeconds): {troubles}"
+                    f"(trainer.generationTimeoutSeconds): {troubles or 'none found'}"
                 )
-            time.sleep(min(delay, max(deadline - time.monotonic(), 0.05)))
+            wait = min(delay, max(deadline - time.monotonic(), 0.05))
+            jobs = [r.job for r in self.replicas.values() if r.job is not None and not r.job.done()]
+            if jobs:  # a catch-up that finishes wakes us at once
+                concurrent.futures.wait(jobs, timeout=wait, return_when=concurrent.futures.FIRST_COMPLETED)
+            else:
+                time.sleep(wait)
             delay = min(delay * 2, 5.0)
 
     @staticmethod
@@ -477,8 +682,6 @@ class ServerPool:
         done: dict[int, Completions] = {}
         busy: dict[concurrent.futures.Future[Completions], tuple[int, Replica, float]] = {}
         failed: dict[int, str] = {}
-        idle: list[Replica] = []
-        finish_times: list[float] = []
 
         def send(group: int, replica: Replica) -> None:
             remaining = max(deadline - time.monotonic(), 0.1)
@@ -487,7 +690,20 @@ class ServerPool:
                                           group_seed(sampling, group), remaining)
             busy[future] = (group, replica, time.monotonic())
 
-        for group, replica in enumerate(ready):
+        try:
+            self._gather(ready, groups, deadline, done, busy, failed, send)
+        finally:
+            self._abandon(busy)
+        return [done[g] for g in range(len(groups))]
+
+    def _gather(
+        self, ready: list[Replica], groups: list[range], deadline: float, done: dict[int, Completions],
+        busy: dict[concurrent.futures.Future[Completions], tuple[int, Replica, float]], failed: dict[int, str],
+        send: Callable[[int, Replica], None],
+    ) -> None:
+        idle: list[Replica] = list(ready[len(groups):])  # more replicas than prompts: the rest got no group
+        finish_times: list[float] = []
+        for group, replica in zip(range(len(groups)), ready, strict=False):
             send(group, replica)
         while len(done) < len(groups):
             now = time.monotonic()
@@ -521,14 +737,34 @@ class ServerPool:
                 if group not in done:
                     done[group] = answer
             self._hedge(busy, done, idle, finish_times, send)
-        return [done[g] for g in range(len(groups))]
+
+    def _abandon(self, busy: dict[concurrent.futures.Future[Completions], tuple[int, Replica, float]]) -> None:
+        """Requests still running when their batch is done (lost to a hedge) or failed: their replica gets no
+        work until it answered, so a hung replica does not take each batch's hedge delay again."""
+        for future, (group, replica, sent) in busy.items():
+            if future.done():
+                continue  # answered just now: nothing to wait for
+            with self._lock:
+                replica.unanswered += 1
+            self._lag(replica, f"generation group {group} not answered in {time.monotonic() - sent:.0f}s")
+            future.add_done_callback(functools.partial(self._answered, replica))
+
+    def _answered(self, replica: Replica, future: concurrent.futures.Future[Completions]) -> None:
+        with self._lock:
+            replica.unanswered -= 1
+        error = None if future.cancelled() else future.exception()
+        if error is not None:
+            replica.trouble = f"{type(error).__name__}: {error}"
+            replica.checked = False  # its health is asked again before it gets more work
+        elif self._serves(replica):
+            self._serving(replica)
 
     def _reissue(self, group: int, failed: Replica, ready: list[Replica], idle: list[Replica],
                  send: Callable[[int, Replica], None], deadline: float) -> None:
         """Send a failed group to another replica: an idle one, else another good one, else whichever is
         ready (found again, health checked, caught up) first, the failed one included once it recovers."""
         candidates = [r for r in idle if r is not failed] or [
-            r for r in ready if r is not failed and r.checked and not r.trouble and r in self.replicas.values()
+            r for r in ready if r is not failed and self._serves(r) and not r.trouble and r in self.replicas.values()
         ]
         if not candidates:
             time.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
@@ -543,9 +779,10 @@ class ServerPool:
                done: dict[int, Completions], idle: list[Replica], finish_times: list[float],
                send: Callable[[int, Replica], None]) -> None:
         """A group lagging far behind the finished ones is also sent to an idle replica."""
-        if not idle or not finish_times:
+        if not idle:
             return
-        limit = max(HEDGE_FLOOR_SECONDS, HEDGE_FACTOR * max(finish_times))
+        limit = max(HEDGE_FLOOR_SECONDS, HEDGE_FACTOR * max(finish_times)) if finish_times \
+            else HEDGE_UNFINISHED_SECONDS
         hedged = {g for g, _, _ in busy.values() if sum(1 for h, _, _ in busy.values() if h == g) > 1}
         for group, replica, sent in list(busy.values()):
             if group in done or group in hedged or time.monotonic() - sent < limit or not idle:

@@ -22,7 +22,7 @@ from grpo_api.models import Mode, Strategy
 from grpo_api.protocol import ENV_ATTEMPT, HealthResponse, TrainingProgress
 from grpo_api.runconfig import RunConfig, RunConfigError, load_run_config
 from grpo_trainer.adapter_io import publish_dtype
-from grpo_trainer.checkpoints import latest_complete, remove_incomplete
+from grpo_trainer.checkpoints import AttemptFence, latest_complete, remove_incomplete
 from grpo_trainer.config import Platform
 from grpo_trainer.errors import InvalidSpec, ServerMismatch, TrainingFailed, exit_code
 from grpo_trainer.launch import launch, needs_launch, rank, report_exit, world_size
@@ -43,7 +43,7 @@ def attempt_from_env() -> int:
         raise TrainingFailed(f"${ENV_ATTEMPT} must be an integer, got {raw!r}") from exc
 
 
-def server_pool(cfg: RunConfig, *, token: str | None, metrics: TrainerMetrics) -> ServerPool:
+def server_pool(cfg: RunConfig, *, token: str | None, metrics: TrainerMetrics, attempt: int) -> ServerPool:
     """The run's server replicas: a headless Service's addresses, the local processes, or server_url.
 
     With trainer.tuning full a version reaches a replica as pushed weights, not as an adapter."""
@@ -58,7 +58,7 @@ def server_pool(cfg: RunConfig, *, token: str | None, metrics: TrainerMetrics) -
         discover, describe = static_discovery([cfg.server_url]), cfg.server_url
     return ServerPool(discover, expected=endpoints.replicas if endpoints else 1, describe=describe, token=token,
                       generation_timeout=timeout, metrics=metrics, log=log,
-                      loader=WeightLoader() if cfg.spec.trainer.pushes_weights else None)
+                      loader=WeightLoader() if cfg.spec.trainer.pushes_weights else None, attempt=attempt)
 
 
 def handshake(pool: ServerPool, *, fingerprint: str, model_dir: Path, resuming: bool,
@@ -123,16 +123,19 @@ def run_training(cfg: RunConfig, *, attempt: int) -> TrainingProgress:
         raise InvalidSpec(str(exc)) from exc
     fingerprint = model_fingerprint(model_dir)
     checkpoint_root = Path(cfg.paths.checkpoint_dir)
+    # Claimed before anything there is read: a process of an earlier attempt still alive stops at its next write.
+    fence = AttemptFence(cfg.run.uid, attempt, (checkpoint_root, Path(cfg.paths.adapter_root)))
+    fence.claim()
     resume = latest_complete(checkpoint_root)
     metrics = TrainerMetrics()
     metrics.max_steps.set(t.max_steps)
-    store = AdapterStore(Path(cfg.paths.adapter_root), fingerprint)
+    store = AdapterStore(Path(cfg.paths.adapter_root), fingerprint, fence=fence)
     main = rank() == 0  # with several processes, rank 0 alone talks to the server and publishes
 
     pool: ServerPool | None = None
     health: HealthResponse | None = None
     if server_mode and main:
-        pool = server_pool(cfg, token=cfg.read_token(), metrics=metrics)
+        pool = server_pool(cfg, token=cfg.read_token(), metrics=metrics, attempt=attempt)
         health = handshake(pool, fingerprint=fingerprint, model_dir=model_dir, resuming=resume is not None,
                            timeout=t.generation_timeout_seconds)
         versions = [r.version for r in pool.replicas.values() if r.version is not None]
@@ -149,7 +152,7 @@ def run_training(cfg: RunConfig, *, attempt: int) -> TrainingProgress:
         sync = AdapterSync(store, pool, metrics, retry_seconds=t.generation_timeout_seconds)
     try:
         return _train(cfg, attempt=attempt, model_dir=model_dir, resume=resume, metrics=metrics, store=store,
-                      sync=sync, pool=pool, health=health)
+                      sync=sync, pool=pool, health=health, fence=fence)
     finally:
         sync.close()
         if pool is not None:
@@ -167,6 +170,7 @@ def _train(
     sync: PolicySync[Any, Any],
     pool: ServerPool | None,
     health: HealthResponse | None,
+    fence: AttemptFence,
 ) -> TrainingProgress:
     # Heavy imports only once the run is known to be viable.
     import torch
@@ -176,7 +180,8 @@ def _train(
 
     from grpo_trainer.config import check_supported, grpo_config_kwargs, lora_config_kwargs
     from grpo_trainer.data import load_prompts
-    from grpo_trainer.generation import GenerationBackend, StalenessBound
+    from grpo_trainer.fence_callback import FenceCallback
+    from grpo_trainer.generation import DriftGuard, GenerationBackend, StalenessBound
     from grpo_trainer.rewards import RewardContext, build_rewards
     from grpo_trainer.session import SessionCallback, TrainingSession
     from grpo_trainer.trl_overrides import ServerGRPOTrainer, check_surface, server_generation_installed
@@ -220,13 +225,14 @@ def _train(
         "processing_class": tokenizer,
         # tuning full: no adapter, every weight trains
         "peft_config": None if t.full else LoraConfig(**lora_config_kwargs(t.lora)),
-        "callbacks": [SessionCallback(session)],
+        "callbacks": [FenceCallback(fence), SessionCallback(session)],
     }
     backend: GenerationBackend | None = None
     if server_mode and not main:
         # The other ranks hand their prompts to rank 0 and take their share of its answer.
         with server_generation_installed(None):
             trainer = ServerGRPOTrainer(**trainer_kwargs)
+        trainer.drift_guard = DriftGuard.for_spec(t.importance_sampling, None)
     elif pool is not None and health is not None:
         depth = t.prefetch_depth if t.async_prefetch else 0
         backend = GenerationBackend(
@@ -245,6 +251,7 @@ def _train(
                 depth, lambda rows: trainer.prompt_token_ids([dataset[i]["prompt"] for i in rows])
             )
             trainer.schedule_listener = prefetcher.set_schedule
+        trainer.drift_guard = DriftGuard.for_spec(t.importance_sampling, backend)
         session.staleness = lambda: backend.last_staleness if backend else None
     else:
         trainer = ServerGRPOTrainer(**trainer_kwargs)

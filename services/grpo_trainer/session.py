@@ -154,8 +154,9 @@ class TrainingSession:
         staleness = self.staleness()
         self._log(
             f"step {state.global_step}/{self.max_steps} reward {_fmt(reward)} std {_fmt(std)} "
-            f"loss {_fmt(_number(logs.get('loss')))} {self.sync.kind} v{version} staleness {staleness} "
-            f"attempt {self.attempt}"
+            f"loss {_fmt(_number(logs.get('loss')))} entropy {_fmt(_number(logs.get('entropy')))} "
+            f"is-ratio {_is_ratio(logs)} drift {_fmt(_number(logs.get('sampling/sampling_logp_difference/mean')))} "
+            f"{self.sync.kind} v{version} staleness {staleness} attempt {self.attempt}"
         )
 
     def on_save(self, state: TrainerState, output_dir: str) -> None:
@@ -188,6 +189,7 @@ class TrainingSession:
             adapter_version=self.sync.active.version if self.sync.active else None,
             sync_seconds=self.last_sync.seconds if self.last_sync else None,
             attempt=self.attempt,
+            lagging_replicas=self.sync.lagging_replicas(),
             done=done,
             updated_at=now(),
         )
@@ -210,6 +212,15 @@ def _number(value: Any) -> float | None:
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
+
+
+def _is_ratio(logs: dict[str, Any]) -> str:
+    """The importance-sampling ratio's min/mean/max of the step (n/a without the correction): a mean far under 1
+    says that many tokens were masked or down-weighted, the first sign of samples too stale for the rate."""
+    values = [_number(logs.get(f"sampling/importance_sampling_ratio/{k}")) for k in ("min", "mean", "max")]
+    if any(v is None for v in values):
+        return "n/a"
+    return "/".join(f"{v:.3g}" for v in values if v is not None)
 
 
 class SessionCallback(TrainerCallback):

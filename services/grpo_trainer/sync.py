@@ -7,10 +7,11 @@ version to the shared volume, makes the server load it and prunes one sync late;
 
 A version counts as synced only when the load trigger answered with it AND
 `/health/` reports it active on the same boot, on every replica the pool reaches
-(see replicas.py: one that lags catches up before its next batch). A trigger that
-fails is retried with backoff; when the retries are spent with no replica
-confirming, the run fails with the reason: the trainer never keeps training
-against a server that serves a stale policy.
+(see replicas.py: once one confirmed, the others have LAGGARD_SECONDS; one that
+lags gets no work and catches up in the background). A trigger that fails is
+retried with backoff; when the retries are spent with no replica confirming, the
+run fails with the reason: the trainer never keeps training against a server that
+serves a stale policy.
 
 `start` runs a sync in the background (one at a time, in order) while the next
 step trains; `wait` blocks until it is done and re-raises its failure, every time
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 from grpo_api.adapters import read_manifest
+from grpo_api.protocol import LaggingReplica
 from grpo_trainer.adapter_io import ADAPTER_WEIGHTS, snapshot_peft_adapter
 from grpo_trainer.client import Completions
 from grpo_trainer.metrics import TrainerMetrics
@@ -83,6 +85,8 @@ class PolicySync(Generic[Payload, Result]):
     def __init__(self, metrics: TrainerMetrics) -> None:
         self.metrics = metrics
         self.active: Versioned | None = None
+        #: The server's replicas (None: no server to sync, e.g. colocate).
+        self.pool: ServerPool | None = None
         # Starts its one thread at the first background sync.
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpo-sync")
         self._pending: concurrent.futures.Future[Result] | None = None
@@ -141,6 +145,10 @@ class PolicySync(Generic[Payload, Result]):
         result = pending.result()
         self.metrics.sync_wait_seconds.observe(time.monotonic() - started)
         return result
+
+    def lagging_replicas(self) -> list[LaggingReplica]:
+        """The server replicas that lag now: they get no work until they serve the active version."""
+        return self.pool.lagging() if self.pool is not None else []
 
     def close(self) -> None:
         """Let a background sync finish (its files complete or removed); never raises its failure."""

@@ -15,6 +15,12 @@ What differs is the transport and the weight sync, so the override is small:
      per-step NCCL weight push.
 2. `ServerGRPOTrainer._get_train_sampler` wraps TRL's RepeatSampler to record
    the epoch's order, so async prefetch knows which prompts come next.
+3. `ServerGRPOTrainer._generate_and_score_completions` measures how far a stale
+   batch's sampler is from the policy that trains on it (from the logprobs TRL
+   already computed for the importance-sampling correction) and, past
+   importanceSampling.maxDrift, scores a batch generated again from the current
+   policy instead (generation.DriftGuard); the discarded batch's metrics are
+   taken back out of TRL's step metrics.
 
 `surface_problems()` lists what of TRL this module relies on and reports
 anything a TRL upgrade moved; the trainer runs it at start-up and a test runs it
@@ -40,7 +46,7 @@ from trl.generation.vllm_generation import VLLMGeneration
 from trl.trainer.utils import RepeatSampler
 
 from grpo_trainer.errors import TrainingFailed, UnsupportedSetting
-from grpo_trainer.generation import GenerationBackend, generation_batches
+from grpo_trainer.generation import DriftGuard, GenerationBackend, generation_batches
 
 PINNED_TRL_VERSION = "1.16.0"
 
@@ -162,9 +168,43 @@ class ScheduleRecordingSampler(Sampler[int]):
 
 
 class ServerGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer whose train sampler can report its schedule (for async prefetch)."""
+    """GRPOTrainer whose train sampler can report its schedule (for async prefetch), and that trains on no stale
+    batch its policy has moved too far from (drift_guard)."""
 
     schedule_listener: Callable[[list[list[int]]], None] | None = None
+    drift_guard: DriftGuard | None = None
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        guard = self.drift_guard
+        if guard is None or self.model is None or not self.model.training:
+            return super()._generate_and_score_completions(inputs)
+        step_metrics = self._metrics["train"]
+        marks = {key: len(values) for key, values in step_metrics.items()}
+        tokens_seen = self.state.num_input_tokens_seen
+        output = super()._generate_and_score_completions(inputs)
+        drift = self._policy_drift(output)
+        decision = [guard.rejects(drift)]  # rank 0 decides: it knows the batch's staleness
+        if self.accelerator.num_processes > 1:
+            broadcast_object_list(decision, from_process=0)
+        if not decision[0]:
+            return output
+        for key, values in step_metrics.items():  # the discarded batch's rewards, lengths, ratios
+            del values[marks.get(key, 0):]
+        self.state.num_input_tokens_seen = tokens_seen
+        guard.regenerate(drift)
+        return super()._generate_and_score_completions(inputs)
+
+    def _policy_drift(self, output: dict[str, Any]) -> float:
+        """Mean |log-ratio| between the training policy and the sampler over the batch's completion tokens, all
+        processes' together (0 without the importance-sampling correction's logprobs)."""
+        old, sampled = output.get("old_per_token_logps"), output.get("sampling_per_token_logps")
+        if old is None or sampled is None:
+            return 0.0
+        delta = (old - sampled).abs()
+        counted = output["completion_mask"].bool() & ~torch.isnan(delta)
+        totals = torch.stack([delta[counted].sum().float(), counted.sum().float()])
+        totals = self.accelerator.gather(totals).reshape(-1, 2).sum(dim=0)
+        return float(totals[0] / totals[1].clamp(min=1.0))
 
     def _get_train_sampler(self, dataset: Any = None) -> Sampler[int]:
         sampler = super()._get_train_sampler(dataset)
@@ -203,6 +243,7 @@ _SIGNATURES: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (GRPOTrainer, "_get_train_sampler", ("dataset",)),
     (GRPOTrainer, "_tokenize_prompts", ("prompts",)),
     (GRPOTrainer, "_load_optimizer_and_scheduler", ("checkpoint",)),
+    (GRPOTrainer, "_generate_and_score_completions", ("inputs",)),
     (RepeatSampler, "__init__", ("data_source", "mini_repeat_count", "batch_size", "repeat_count", "shuffle",
                                  "seed")),
 )
@@ -229,6 +270,12 @@ _SOURCE_FACTS: tuple[tuple[Callable[..., Any], str, str], ...] = (
      "the sampler's logprobs feed the importance-sampling correction"),
     (GRPOTrainer.get_train_dataloader, "sampler_fn=self._get_train_sampler",
      "the train dataloader takes its sampler from _get_train_sampler"),
+    (GRPOTrainer._generate_and_score_completions, 'output["old_per_token_logps"] = old_per_token_logps',
+     "the scored batch carries the training policy's logprobs (the drift guard reads them)"),
+    (GRPOTrainer._generate_and_score_completions, 'output["sampling_per_token_logps"] = sampling_per_token_logps',
+     "the scored batch carries the sampler's logprobs (the drift guard reads them)"),
+    (GRPOTrainer._generate, "self.state.num_input_tokens_seen +=",
+     "the only trainer state generating a batch changes besides the step metrics (undone for a discarded one)"),
     (VLLMGeneration.__init__, "self._init_vllm()", "VLLMGeneration.__init__ ends by calling _init_vllm"),
     (RepeatSampler.__iter__, "for _ in range(self.repeat_count)", "RepeatSampler's stream layout"),
 )

@@ -18,7 +18,8 @@ How the tensors move is the server's choice, read from its `/server_info` (`weig
 - `gloo` (the transformers engine, CPU): the same exchange as nccl over a gloo group.
 
 The latest pushed copy is kept: a replica that restarted (new boot id, its weights back to version 0)
-gets it pushed again before its next batch, as an adapter is loaded again (replicas.py).
+gets it pushed again, in the background, before it gets work again, as an adapter is loaded again
+(replicas.py).
 """
 
 from __future__ import annotations
@@ -331,17 +332,21 @@ class WeightLoader:
         return boot_id
 
     def _channel(self, client: ServerClient, boot_id: str) -> Channel:
-        """The replica's channel; a new one (joining again) when the server behind the client restarted."""
+        """The replica's channel; a new one (joining again) when the server behind the client restarted.
+
+        `/server_info` is asked outside the lock: a replica that does not answer holds up no other's push (the
+        pool runs one load per replica at a time, so a client's channel is not raced)."""
         with self._lock:
             known = self._channels.get(id(client))
-            if known is not None and known[0] == boot_id:
-                return known[1]
-            if known is not None:
-                known[1].close()
-            backend, workers = server_backend(client.server_info())
-            channel = make_channel(backend, server_workers=workers)
+        if known is not None and known[0] == boot_id:
+            return known[1]
+        if known is not None:
+            known[1].close()
+        backend, workers = server_backend(client.server_info())
+        channel = make_channel(backend, server_workers=workers)
+        with self._lock:
             self._channels[id(client)] = (boot_id, channel)
-            return channel
+        return channel
 
     def close(self) -> None:
         with self._lock:

@@ -28,7 +28,7 @@ def test_torchrun_runs_every_process_here_without_a_rendezvous_address_and_one_p
     trainer = TrainerSpec.model_validate({"numNodes": 3, "numProcPerNode": 2})
     assert world_size(trainer) == 6
     local = torchrun_argv(trainer, "/run/config.yaml", {"GRPO_MASTER_PORT": "29511"})
-    assert local[1:3] == ["-m", "torch.distributed.run"]
+    assert local[1:3] == ["-m", "grpo_trainer.launch"]  # torch.distributed.run, tied to the launcher first
     assert {"--nnodes=1", "--nproc-per-node=6", "--node-rank=0", "--master-addr=127.0.0.1",
             "--master-port=29511"} <= set(local)
     assert local[-4:] == ["grpo_cli.main", "train", "--config", "/run/config.yaml"]

@@ -162,7 +162,7 @@ def test_async_prefetch_overlaps_generation_and_keeps_staleness_within_the_bound
     cfg, _ = trainer_config(
         tiny_server, tmp_path, dataset=tiny_dataset, rewards=[token_fraction(tiny_model_dir)],
         trainer={"maxSteps": 6, "syncInterval": 2, "checkpointInterval": 6, "asyncPrefetch": True,
-                 "prefetchDepth": 2},
+                 "prefetchDepth": 2, "importanceSampling": {"maxDrift": 100}},  # the pipeline, not the guard
     )
     progress = run_training(cfg, attempt=1)
     out = capsys.readouterr().out
@@ -172,6 +172,41 @@ def test_async_prefetch_overlaps_generation_and_keeps_staleness_within_the_bound
     assert max(staleness) <= 2 + 2  # syncInterval + prefetchDepth
     assert max(staleness) >= 2  # batches were generated ahead, by an older adapter
     assert "discarded a generated batch" not in out
+
+
+DRIFT_STEP = re.compile(r"^step (\d+)/\d+ reward \S+ .* drift (\S+) adapter v\S+ staleness (\d+) ", re.M)
+
+
+@pytest.mark.parametrize("max_drift", [0.3, 100.0], ids=["guarded", "unguarded"])
+def test_no_stale_batch_farther_from_the_policy_than_max_drift_reaches_the_loss(
+    tiny_server: RunningServer, tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str], max_drift: float,
+):
+    """At a rate that moves the policy far in one step (lr 0.1 here; 2e-2 on the H200's 1.5B model), a batch
+    prefetched two steps ago was sampled by a policy the trainer has left behind: its tokens' log-ratios are
+    large, and training on such batches collapsed on the GPU. With maxDrift, such a batch is generated again
+    from the current policy; the unguarded run shows that the drift is really there without it."""
+    clear_adapter(tiny_server)
+    cfg, _ = trainer_config(
+        tiny_server, tmp_path, dataset=tiny_dataset, rewards=[token_fraction(tiny_model_dir)],
+        trainer={"numGenerations": 8, "perDeviceBatchSize": 32, "maxCompletionLength": 12, "learningRate": 0.1,
+                 "maxSteps": 8, "syncInterval": 1, "checkpointInterval": 8, "asyncPrefetch": True,
+                 "prefetchDepth": 2, "importanceSampling": {"maxDrift": max_drift}},
+    )
+    progress = run_training(cfg, attempt=1)
+    out = capsys.readouterr().out
+    steps = [(int(step), float(drift), int(stale)) for step, drift, stale in DRIFT_STEP.findall(out)]
+    discards = out.count("discarded a generated batch (policy_drift")
+    print(f"\nmaxDrift {max_drift}: (step, drift, staleness) {steps}; {discards} batches generated again")
+    assert progress.done and len(steps) == 8
+    trained_stale = [drift for _, drift, stale in steps if stale > 0]
+    if max_drift < 100:
+        assert discards >= 1
+        assert all(drift <= max_drift for drift in trained_stale), steps
+        assert sum(1 for _, _, stale in steps if stale == 0) >= discards  # each was generated again, fresh
+    else:
+        assert discards == 0
+        assert max(trained_stale) > 0.3, steps  # without the guard, batches that far were trained on
 
 
 def test_a_background_sync_the_server_refuses_stops_the_run_with_the_reason_before_it_trains_on(

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from grpo_api.models import GRPORun
-from grpo_api.sources import cluster_layout, local_sources
+from grpo_api.sources import HubSource, cluster_layout, hub_dir, hub_key, local_sources
 from grpo_operator import builders as b
 from tests.unit.test_api_models import refusal, run_with
 from tests.unit.test_builders import make_run
@@ -121,7 +121,8 @@ def test_an_hf_revision_cannot_lead_the_fetch_out_of_the_volume(revision: str) -
 def test_hf_revisions_of_branches_tags_and_commits_land_under_the_volume(revision: str, tmp_path: Path) -> None:
     run = make_run(model={"name": "m", "source": f"hf://org/m@{revision}"})
     model_dir = cluster_layout(run.spec, data_claim="d", inline_rewards_configmap="r").sources.model_dir
-    assert model_dir == f"/data/hub/models/org/m/{revision}"
+    assert model_dir == hub_dir("/data", hub_key("model", HubSource("org/m", revision), None))
+    assert model_dir.rpartition("/")[0] == "/data/hub/models"  # one folder, whatever '/' the revision holds
     local = local_sources(run.spec, tmp_path).model_dir
     assert local is not None and Path(local).resolve().is_relative_to(tmp_path)
 
