@@ -18,9 +18,10 @@ LoRA-adapter sync (`/pause?mode=keep`, `/v1/load_lora_adapter` of `trl-policy-v<
 
 The workload is grpo_step.py's: the model and dataset given, reward `token_fraction` over the completion ids
 (share of tokens in `target_token_ids(model)` over the maximum completion length, our built-in itself),
-8 generations, 32 completions per optimizer step in one micro-batch (`token_budget=0`: TRL's fixed-count
-batcher, 32 samples per step), 256-token completions, LoRA r32 alpha 64 all-linear (no dropout),
-learning rate 1e-3 constant, bf16, no gradient checkpointing, temperature 1, seed 0. Plain-text prompts
+8 generations, 64 completions per optimizer step in one micro-batch (`token_budget=0`: TRL's fixed-count
+batcher, 64 samples per step), 64-token completions, LoRA r32 alpha 64 all-linear (no dropout),
+learning rate 2e-2 constant (grpo_step.py's learning workload, on which the reward rises), bf16, no gradient
+checkpointing, temperature 1, seed 0. Plain-text prompts
 reach the server as the same token ids our trainer sends: TRL's rollout worker always renders prompts with
 the chat template, so they are wrapped as one user message and rendered by a template that writes the
 content alone (a response template that parses the reply as plain content comes with it).
@@ -86,7 +87,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grpo_step import LEARNING_RATE, reward_summary
+from grpo_step import BATCH, COMPLETION_LENGTH, LEARNING_RATE, STEPS, reward_summary
 from workload import dump, machine
 
 from grpo_testmodels.varlen_attention import segment_attention
@@ -308,6 +309,8 @@ def summarize(events: list[dict[str, Any]], staleness: int) -> dict[str, Any]:
         "rollout_wait_s": series("perf/rollout_wait_s"),
         "fwd_bwd_s": series("perf/fwd_bwd_s"),
         "optimizer_s": series("perf/optimizer_s"),
+        "entropy": series("entropy"),
+        "clip_ratio_region": series("clip_ratio/region_mean"),
         "staleness_mean": series("sample/staleness_mean"),
         "staleness_max": series("sample/staleness_max"),
         "dropped_stale": series("sample/dropped_stale_total"),
@@ -325,12 +328,12 @@ def main() -> None:
                         help="vllm: `vllm serve` (vllm.entrypoints.openai.api_server); grpo: our `grpo serve`")
     parser.add_argument("--model", type=Path, default=Path("/tmp/m15"))
     parser.add_argument("--dataset", type=Path, default=Path("/tmp/m15-prompts.jsonl"))
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (max_steps)")
+    parser.add_argument("--steps", type=int, default=STEPS, help="optimizer steps (max_steps)")
     parser.add_argument("--max-staleness", type=int, default=2,
                         help="AsyncGRPOConfig.max_staleness (2 matches our prefetchDepth 2 run); the servers get "
                         "max-loras max(4, max_staleness + 2)")
-    parser.add_argument("--completion-length", type=int, default=256, help="max_completion_length")
-    parser.add_argument("--batch", type=int, default=32, help="completions per optimizer step (one micro-batch)")
+    parser.add_argument("--completion-length", type=int, default=COMPLETION_LENGTH, help="max_completion_length")
+    parser.add_argument("--batch", type=int, default=BATCH, help="completions per optimizer step (one micro-batch)")
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--learning-rate", type=float, default=LEARNING_RATE)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.45)

@@ -22,8 +22,10 @@
 # PRESET (prep: the model preset, default qwen2.5-1.5b-learn, whose reward can rise; rounds 1-4 and the first
 # 2026-12-02 runs used qwen2.5-1.5b). Knobs: TESTS_K (pytest -k for server-tests), TESTS_TIMEOUT, SKIP_DIRECT / SKIP_RELOAD (gen-server),
 # ONLY=server|colocate and LOGPROBS=sampler|auto (grpo: our run's spec.server.logprobsSource),
-# COMPLETION / BATCH / ACCUM / STEPS (grpo: the workload; e.g. COMPLETION=1024 BATCH=8 ACCUM=4 STEPS=6),
-# PREFETCH (grpo: our run's prefetchDepth, default 1; 0 = the spec defaults), LR (grpo: learningRate, default 1e-3), TUNING=lora|full (grpo: trainer.tuning), SYNC=adapter|merged (grpo: our trainer.sync), REPLICAS (grpo: our server's replicas, sharing its GPU share), ENGINE_ARGS (grpo: JSON for our server's
+# COMPLETION / BATCH / ACCUM / STEPS (grpo and trl-async: the workload, default grpo_step.py's learning workload:
+# 64 completions of 64 tokens a step, 20 steps, lr 2e-2; e.g. COMPLETION=1024 BATCH=8 ACCUM=4 STEPS=6), NAME (grpo:
+# output names), IS=mask|truncate|off and MAX_DRIFT (grpo: our spec.trainer.importanceSampling, its maxDrift),
+# PREFETCH (grpo: our run's prefetchDepth, default 1; 0 = the spec defaults), LR (grpo and trl-async: learning rate), TUNING=lora|full (grpo: trainer.tuning), SYNC=adapter|merged (grpo: our trainer.sync), REPLICAS (grpo: our server's replicas, sharing its GPU share), ENGINE_ARGS (grpo: JSON for our server's
 # extraEngineArgs), SERVER_ENV (grpo: NAME=VALUE for our server's env), SETTINGS (lora-decode: default,specialize
 # unless set; SETTINGS=dual-stream in a call of its own).
 # trl-async (bench/trl_async.py, grpo_step.py's workload): SERVER=vllm|grpo (default vllm), STEPS (default 20),
@@ -81,17 +83,19 @@ hardening_tests() {
 }
 
 grpo() {
-  # COMPLETION / BATCH / ACCUM / STEPS shape the workload (default: 32 completions of 256 tokens, 8 steps)
-  local work=/tmp/grpo-step-${COMPLETION:-256}${REPLICAS:+-r$REPLICAS}
-  log "GRPO: ours (server mode) vs TRL colocate, completions of ${COMPLETION:-256} tokens"
-  timeout 560 $PY bench/grpo_step.py --model $M --dataset $D --steps ${STEPS:-8} \
-    --out "$OUT/grpo_step${REPLICAS:+_r$REPLICAS}.json" ${REPLICAS:+--replicas $REPLICAS} \
-    ${ONLY:+--only $ONLY} --logprobs-source "${LOGPROBS:-sampler}" --completion-length ${COMPLETION:-256} \
-    --batch ${BATCH:-32} --grad-accum ${ACCUM:-1} --prefetch-depth ${PREFETCH:-1} --work $work ${LR:+--learning-rate $LR} ${TUNING:+--tuning $TUNING} ${SYNC:+--sync $SYNC} \
-    ${ENGINE_ARGS:+--engine-args "$ENGINE_ARGS"} ${SERVER_ENV:+--server-env "$SERVER_ENV"}
-  for f in $work/*.log; do tail -40 "$f" > "$OUT/$(basename "$f")"; done
-  tail -30 $work/bench-server/logs/server-attempt-1.log > "$OUT/grpo-server-vllm.log" 2>/dev/null
-  tail -60 $work/bench-server/logs/trainer-attempt-1.log > "$OUT/grpo-trainer.log" 2>/dev/null
+  # COMPLETION / BATCH / STEPS shape the workload (default: grpo_step.py's learning workload, 64 completions of
+  # 64 tokens, 20 steps, lr 2e-2); NAME names the outputs ($OUT/$NAME.json, $OUT/$NAME-*.log) so runs can share $OUT
+  local name=${NAME:-grpo_step${REPLICAS:+_r$REPLICAS}}
+  local work=/tmp/grpo-step-$name
+  log "GRPO $name: ours (server mode) vs TRL colocate, completions of ${COMPLETION:-64} tokens"
+  timeout ${GRPO_TIMEOUT:-560} $PY bench/grpo_step.py --model $M --dataset $D ${STEPS:+--steps $STEPS} \
+    --out "$OUT/$name.json" ${REPLICAS:+--replicas $REPLICAS} \
+    ${ONLY:+--only $ONLY} --logprobs-source "${LOGPROBS:-sampler}" ${COMPLETION:+--completion-length $COMPLETION} \
+    ${BATCH:+--batch $BATCH} --grad-accum ${ACCUM:-1} --prefetch-depth ${PREFETCH:-1} --work $work ${LR:+--learning-rate $LR} ${TUNING:+--tuning $TUNING} ${SYNC:+--sync $SYNC} \
+    ${IS:+--importance-sampling $IS} ${MAX_DRIFT:+--max-drift $MAX_DRIFT} ${ENGINE_ARGS:+--engine-args "$ENGINE_ARGS"} ${SERVER_ENV:+--server-env "$SERVER_ENV"}
+  for f in $work/*.log; do tail -40 "$f" > "$OUT/$name-$(basename "$f")"; done
+  cp $work/bench-server/logs/server-attempt-1.log "$OUT/$name-server-vllm.log" 2>/dev/null
+  cp $work/bench-server/logs/trainer-attempt-1.log "$OUT/$name-trainer.log" 2>/dev/null
 }
 
 gen_offline() {
@@ -140,9 +144,10 @@ weight_transfer_tests() {
 trl_async() {
   local server=${SERVER:-vllm}
   log "TRL AsyncGRPOTrainer against $server serve, max_staleness ${STALENESS:-2}, ${STEPS:-20} steps"
-  timeout 560 $PY bench/trl_async.py --server "$server" --model $M --dataset $D --steps ${STEPS:-20} \
-    --max-staleness ${STALENESS:-2} --timeout 540 --work /tmp/trl-async-$server --out "$OUT/trl_async_$server.json" \
-    ${LR:+--learning-rate $LR}
+  timeout ${TRL_TIMEOUT:-560} $PY bench/trl_async.py --server "$server" --model $M --dataset $D ${STEPS:+--steps $STEPS} \
+    --max-staleness ${STALENESS:-2} --timeout $(( ${TRL_TIMEOUT:-560} - 20 )) --work /tmp/trl-async-$server \
+    --out "$OUT/trl_async_$server.json" ${LR:+--learning-rate $LR} ${COMPLETION:+--completion-length $COMPLETION} \
+    ${BATCH:+--batch $BATCH}
   tail -4 "$OUT/trl_async_${server}_trainer.log"
 }
 
