@@ -28,6 +28,9 @@ class FakeSync:
     def publish_final(self, model: object, dtype: str, step: int) -> None:
         return None
 
+    def lagging_replicas(self) -> list[object]:
+        return []
+
 
 class FakeClock:
     def __init__(self) -> None:
