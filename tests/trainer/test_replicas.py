@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from grpo_api.runconfig import ServerEndpoints, load_run_config
+from grpo_trainer.client import BACKOFF_CAP_SECONDS
 from grpo_trainer.replicas import dns_discovery, group_seed, split_groups, static_discovery
 from grpo_trainer.runner import run_training
 from tests.fixtures.server import RunningServer, free_port, start_server
@@ -102,6 +104,10 @@ def test_two_replicas_share_the_work_a_lost_one_is_replaced_by_the_other_and_a_r
                 hold.touch()
                 wait_for(held.exists, 120, what="training to wait in the reward")
                 restarted.append(start_server(work, tiny_model_dir, port=b.port))
+                # Catch-ups are tried when a batch asks for ready replicas, no sooner than the backoff the last
+                # failed try set (at most BACKOFF_CAP_SECONDS): past it, the first batch after the hold starts
+                # one, so the run does not end before the restarted replica was tried again.
+                time.sleep(BACKOFF_CAP_SECONDS)
             except BaseException as exc:
                 errors.append(exc)
             finally:
