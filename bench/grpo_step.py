@@ -36,9 +36,12 @@ from grpo_testmodels import target_token_ids
 #: The learning workload (the defaults): the demo reward (share of completion tokens in a 1/8 id range; a
 #: random policy scores ~0.125) rose from 0.13 to 1.0 within 5 steps on the qwen2.5-1.5b-learn preset with
 #: LoRA r32, 8 prompts x 8 completions of 64 tokens, for TRL colocate and for ours alike (H200, issue 28). At
-#: 256 tokens and 1e-3, and at 1e-5 (rounds 1-4), no reward moved in 20 steps (BENCHMARKS.md).
+#: 256 tokens and 1e-3, and at 1e-5 (rounds 1-4), no reward moved in 20 steps (BENCHMARKS.md); at 256 tokens and
+#: 2e-2 (LONG_COMPLETION_LENGTH, `--completion-length 256`) both rose to 1.0 within 10 steps (2026-12-04).
 LEARNING_RATE = 2e-2
 COMPLETION_LENGTH = 64
+#: The long shape that learns at LEARNING_RATE too (BENCHMARKS.md, the second lease of 2026-12-04).
+LONG_COMPLETION_LENGTH = 256
 BATCH = 64
 STEPS = 20
 

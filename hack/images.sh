@@ -5,6 +5,9 @@
 #   hack/images.sh build        # base, pause, operator, server (CPU variant), trainer -> archives
 #   hack/images.sh build pause  # only these (and the base)
 #   hack/images.sh list         # print "REF ARCHIVE" for each image (what cluster.sh imports)
+#   hack/images.sh gpu          # the GPU images (ENGINE=vllm: vLLM in server and trainer), built and
+#                               # smoke-tested on this CPU machine (hack/gpu-image-smoke.sh); prints
+#                               # "REF SIZE SMOKE-LOG" for each
 #   hack/images.sh data REF DIR DEST   # an image holding only DIR at DEST (an oci:// source for the
 #                                      # tests: `hack/cluster.sh images ARCHIVE` loads it); prints ARCHIVE
 #
@@ -18,6 +21,11 @@
 # it as `--build-arg BASE=...`. The server image is built with ENGINE=cpu (transformers engine, no
 # vLLM). The pip cache of this machine (~/.cache/pip) is the build's pip cache, so a warm machine
 # downloads nothing; server and trainer share their torch layer (identical first steps).
+#
+# The GPU images (`gpu`) are what a GPU cluster runs; no node here can run them, so they are not
+# exported: they stay in buildah's storage (sharing the torch layer with the CPU images), are checked
+# by hack/gpu-image-smoke.sh in a container, and the check's log, named by the image's key, is what
+# makes a warm machine skip them.
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 CACHE=${GRPO_IMAGE_CACHE:-$HOME/.cache/grpo-images}
@@ -50,7 +58,9 @@ ref_of() {  # ref_of NAME -> localhost/NAME:KEY
     pause) echo "localhost/pause:$(pause_key)" ;;
     grpo-operator) echo "localhost/grpo-operator:$(image_key Dockerfile.operator)" ;;
     grpo-server) echo "localhost/grpo-server:cpu-$(image_key Dockerfile.server ENGINE=cpu)" ;;
-    grpo-trainer) echo "localhost/grpo-trainer:$(image_key Dockerfile.trainer)" ;;
+    grpo-trainer) echo "localhost/grpo-trainer:cpu-$(image_key Dockerfile.trainer ENGINE=cpu)" ;;
+    grpo-server-gpu) echo "localhost/grpo-server:vllm-$(image_key Dockerfile.server ENGINE=vllm)" ;;
+    grpo-trainer-gpu) echo "localhost/grpo-trainer:vllm-$(image_key Dockerfile.trainer ENGINE=vllm)" ;;
     *) echo "unknown image $1" >&2; return 1 ;;
   esac
 }
@@ -64,11 +74,18 @@ export_archive() {  # export_archive NAME REF ARCHIVE : buildah storage -> docke
 
 # Older builds of an image are never used again (their key is gone): they leave the cache and buildah's
 # storage before the new one is built, so a machine holds one build of each image, not one per change.
+# An image's builds are the tags of its repository in the same variant: vllm-* (the GPU images) or any
+# other (CPU), so building one variant never drops the other.
+variant() { case $1 in vllm-*) echo vllm ;; *) echo cpu ;; esac; }
 prune_stale() {  # prune_stale NAME REF ARCHIVE
-  local stale
+  local stale repo=${2%:*} want tag name
+  want=$(variant "${2##*:}")
   find "$CACHE" -maxdepth 1 \( -name "$1-*.tar" -o -name "$1-*.tar.partial" \) ! -path "$3" -delete
-  stale=$(buildah images --format '{{.Name}}:{{.Tag}}' --filter "reference=localhost/$1" 2>/dev/null \
-    | grep -vxF "$2" || true)
+  stale=""
+  for name in $(buildah images --format '{{.Name}}:{{.Tag}}' --filter "reference=$repo" 2>/dev/null); do
+    tag=${name##*:}
+    if [ "$name" != "$2" ] && [ "$(variant "$tag")" = "$want" ]; then stale="$stale $name"; fi
+  done
   if [ -n "$stale" ]; then
     # shellcheck disable=SC2086
     buildah rmi $stale >/dev/null 2>&1 || true
@@ -80,7 +97,7 @@ prune_stale() {  # prune_stale NAME REF ARCHIVE
 # The need is the last archive of this image when there was one, else a fixed estimate.
 need_space() {  # need_space NAME BYTES-OF-THE-PREVIOUS-ARCHIVE (0: none)
   local need avail gib=$((1024 * 1024 * 1024))
-  case $1 in grpo-server|grpo-trainer) need=$((7 * gib)) ;; *) need=$gib ;; esac
+  case $1 in grpo-server|grpo-trainer) need=$((7 * gib)) ;; grpo-*-gpu) need=$((12 * gib)) ;; *) need=$gib ;; esac
   if [ "$2" -gt 0 ]; then need=$(( $2 * 11 / 10 + gib / 2 )); fi
   avail=$(df -B1 --output=avail "$CACHE" | tail -1)
   if [ "$avail" -lt "$need" ]; then
@@ -161,7 +178,7 @@ build_all() {  # build_all [NAME...]
       grpo-base) ;;
       pause) ensure pause build_pause ;;
       grpo-operator) base_in_storage; ensure grpo-operator build_dockerfile Dockerfile.operator ;;
-      grpo-trainer) base_in_storage; ensure grpo-trainer build_dockerfile Dockerfile.trainer ;;
+      grpo-trainer) base_in_storage; ensure grpo-trainer build_dockerfile Dockerfile.trainer ENGINE=cpu ;;
       grpo-server) base_in_storage; ensure grpo-server build_dockerfile Dockerfile.server ENGINE=cpu ;;
       *) echo "unknown image $n" >&2; exit 2 ;;
     esac
@@ -171,6 +188,47 @@ build_all() {  # build_all [NAME...]
 base_in_storage() {  # FROM needs the base in buildah's storage even when its archive came from the cache
   buildah inspect --type image "$(ref_of grpo-base)" >/dev/null 2>&1 || \
     buildah pull --quiet "docker-archive:$(archive_of grpo-base)" >/dev/null
+}
+
+# The GPU images: built into buildah's storage and smoke-tested, not exported (see the header).
+smoked_of() { local ref; ref=$(ref_of "$1"); echo "$CACHE/${1}-${ref##*:}.smoke.log"; }
+
+ensure_smoked() {  # ensure_smoked NAME DOCKERFILE ROLE
+  local name=$1 dockerfile=$2 role=$3 s log
+  REF=$(ref_of "$name") log=$(smoked_of "$name")
+  find "$CACHE" -maxdepth 1 -name "$name-*.smoke.log" ! -path "$log" -delete
+  prune_stale "$name" "$REF" "$CACHE/$name-none.tar"
+  if [ -s "$log" ] && buildah inspect --type image "$REF" >/dev/null 2>&1; then return; fi
+  s=$(date +%s)
+  need_space "$name" 0
+  log "building $REF"
+  if ! buildah inspect --type image "$REF" >/dev/null 2>&1; then
+    base_in_storage
+    build_dockerfile "$dockerfile" ENGINE=vllm
+  fi
+  log "$name: built in $(( $(date +%s) - s ))s; smoke test"
+  if ! bash "$REPO/hack/gpu-image-smoke.sh" "$REF" "$role" > "$log.partial" 2>&1; then
+    cat "$log.partial" >&2
+    echo "hack/images.sh: the smoke test of $REF failed (log above)" >&2
+    exit 1
+  fi
+  mv "$log.partial" "$log"
+  log "$name: $(( $(date +%s) - s ))s, $(image_size "$REF")"
+}
+
+image_size() { buildah images --format '{{.Size}}' "$1" 2>/dev/null | head -1; }
+
+gpu_all() {
+  command -v buildah >/dev/null || { echo "buildah is missing (apt-get install buildah mmdebstrap)" >&2; exit 1; }
+  ensure grpo-base build_base
+  ensure_smoked grpo-server-gpu Dockerfile.server server
+  ensure_smoked grpo-trainer-gpu Dockerfile.trainer trainer
+}
+
+list_gpu() {
+  local n; for n in grpo-server-gpu grpo-trainer-gpu; do
+    echo "$(ref_of "$n") $(image_size "$(ref_of "$n")" | tr -d ' ') $(smoked_of "$n")"
+  done
 }
 
 list_all() {
@@ -192,6 +250,7 @@ data_image() {  # data_image REF DIR DEST : files only (no OS), as images mounte
 case ${1:-build} in
   build) shift || true; ( flock 9; build_all "$@" ) 9>"$CACHE/.lock"; list_all ;;
   list) list_all ;;
+  gpu) ( flock 9; gpu_all ) 9>"$CACHE/.lock"; list_gpu ;;
   data) [ $# -eq 4 ] || { echo "usage: $0 data REF DIR DEST" >&2; exit 2; }; data_image "$2" "$3" "$4" ;;
-  *) echo "usage: $0 build|list|data" >&2; exit 2 ;;
+  *) echo "usage: $0 build|list|gpu|data" >&2; exit 2 ;;
 esac

@@ -27,6 +27,9 @@ bash hack/cluster.sh deps
 step "images from the Dockerfiles (hack/images.sh, cached under ~/.cache/grpo-images)"
 bash hack/images.sh build
 
+step "GPU images (hack/images.sh gpu: ENGINE=vllm, built and smoke-tested on CPU, cached by their inputs)"
+bash hack/images.sh gpu
+
 step "ruff"
 .venv/bin/ruff check .
 

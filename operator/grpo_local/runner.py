@@ -53,10 +53,11 @@ from grpo_api.lifecycle import (
     decide,
     wants_health,
 )
-from grpo_api.models import TERMINAL_PHASES, EnvVar, GRPORun, GRPORunStatus, Phase
+from grpo_api.models import TERMINAL_PHASES, EnvVar, GRPORun, GRPORunStatus, Phase, WeightTransfer
 from grpo_api.prepare_protocol import ENV_TERMINATION_LOG, latest_progress
 from grpo_api.protocol import ENV_PARENT_PID, TrainingProgress
 from grpo_api.runconfig import RUN_CONFIG_FILE, RunConfig, ServerEndpoints, run_config_for
+from grpo_api.weight_transfer import ENV_WEIGHT_TRANSFER
 from grpo_local.processes import Child
 from grpo_operator.health import HealthClient
 
@@ -162,6 +163,7 @@ class LocalRun:
         attempt = self.status.attempt
         older = sum(1 for a, cs in self.servers.items() for c in cs if a < attempt and c.alive())
         checks = self.check_health() if wants_health(self.run.spec, self.status) else ()
+        server_said = self.server_failed_permanently(attempt)
         trainer, message, trainer_failed_permanently = self.trainer_state(attempt)
         initializer, init_message = self.child_state(self.initializer)
         init_progress = self.initializer_progress()
@@ -180,10 +182,21 @@ class LocalRun:
             trainer_failed_permanently=trainer_failed_permanently,
             progress=progress,
             server_url=self.config.server_url,
+            server_message=server_said or "",
+            server_failed_permanently=server_said is not None,
             initializer=initializer,
             initializer_message=init_message,
             initializer_progress=init_progress,
         )
+
+    def server_failed_permanently(self, attempt: int) -> str | None:
+        """What a server process of the attempt that exited with EXIT_INVALID_SPEC said (its termination log,
+        else its last error line); None when none did."""
+        for child in self.servers.get(attempt, []):
+            if child.poll() == EXIT_INVALID_SPEC:
+                said = read_text(Path(child.env[ENV_TERMINATION_LOG])).strip()
+                return said or last_error_line(child.log_path)
+        return None
 
     def initializer_progress(self) -> str | None:
         if self.initializer is None or not self.initializer.log_path.is_file():
@@ -297,6 +310,9 @@ class LocalRun:
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
             "TOKENIZERS_PARALLELISM": "false",
             "PYTHONUNBUFFERED": "1",
+            # server.weightTransfer auto: server and trainer share this machine's GPU. The initializer and the
+            # trainer read it too, to know whether the trainer needs vLLM (nccl does, ipc does not).
+            ENV_WEIGHT_TRANSFER: str(WeightTransfer.IPC),
         })
         return {**ours, **{e.name: e.literal for e in extra if e.value_from is None}}
 
@@ -318,9 +334,10 @@ class LocalRun:
                 argv=[self.python, "-m", "grpo_cli.main", "serve", "--config", str(self.config_file),
                       "--host", "127.0.0.1", "--port", str(port)],
                 log_path=self.logs_dir / f"server-attempt-{attempt}{suffix}.log",
-                # weightTransfer auto: the server shares the trainer's GPU here, so CUDA IPC
-                env={"GRPO_WEIGHT_TRANSFER": "ipc", **self.child_env(attempt, self.run.spec.effective_server.env)},
+                env={**self.child_env(attempt, self.run.spec.effective_server.env),
+                     ENV_TERMINATION_LOG: str(self.logs_dir / f"server-attempt-{attempt}{suffix}.termination-log")},
             )
+            Path(child.env[ENV_TERMINATION_LOG]).unlink(missing_ok=True)  # an earlier `grpo run` here left it
             child.start()
             started.append(child)
         self.servers[attempt] = started

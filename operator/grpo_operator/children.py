@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from grpo_api.exit_codes import EXIT_INVALID_SPEC
 from grpo_api.lifecycle import TrainerState
 from grpo_api.models import KIND
 from grpo_operator.builders import (
@@ -128,6 +129,14 @@ class Children:
     def pods_of(self, attempt: int) -> list[PodInfo]:
         """The attempt's server pods that are not going away (its replicas), by name."""
         return sorted((p for p in self.pods if p.attempt == attempt and not p.terminating), key=lambda p: p.name)
+
+    def server_said_invalid_spec(self, attempt: int) -> str | None:
+        """What a server pod of the attempt that exited with EXIT_INVALID_SPEC said (its termination message: its
+        engine cannot run there), or None when none did."""
+        for pod in self.pods_of(attempt):
+            if pod.exit_code == EXIT_INVALID_SPEC:
+                return pod.termination_message.strip() or f"pod {pod.name} exited with code {EXIT_INVALID_SPEC}"
+        return None
 
     def failed_by_exit_code(self, job_name: str, code: int) -> bool:
         """A pod of the Job ended with this exit code."""
@@ -280,20 +289,24 @@ def pod_info(body: dict[str, Any]) -> PodInfo:
     )
 
 
-def termination_message(status: dict[str, Any]) -> str:
+def _terminations(status: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each container's termination: the current state's, else the last one's (a restarted container, such
+    as a server in CrashLoopBackOff, is waiting now and keeps its exit in lastState)."""
+    found = []
     for container in status.get("containerStatuses") or []:
-        terminated = (container.get("state") or {}).get("terminated") or {}
-        if terminated.get("message"):
-            return str(terminated["message"])
-    return ""
+        terminated = (container.get("state") or {}).get("terminated") or (container.get("lastState") or {}).get(
+            "terminated") or {}
+        if terminated:
+            found.append(terminated)
+    return found
+
+
+def termination_message(status: dict[str, Any]) -> str:
+    return next((str(t["message"]) for t in _terminations(status) if t.get("message")), "")
 
 
 def exit_code(status: dict[str, Any]) -> int | None:
-    for container in status.get("containerStatuses") or []:
-        terminated = (container.get("state") or {}).get("terminated") or {}
-        if "exitCode" in terminated:
-            return int(terminated["exitCode"])
-    return None
+    return next((int(t["exitCode"]) for t in _terminations(status) if "exitCode" in t), None)
 
 
 #: Waiting reasons that are normal on the way up.

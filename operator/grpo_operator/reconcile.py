@@ -327,6 +327,7 @@ def observe(
     health: HealthCheck | None = None
     replica_health: tuple[HealthCheck, ...] = ()
     server_message = server_trouble(children, attempt) if server_mode and attempt > 0 else ""
+    server_said = children.server_said_invalid_spec(attempt) if server_mode and attempt > 0 else None
     waiting_for_old = status.phase == Phase.STARTING_SERVER and older > 0
     if wants_health(run.spec, status) and not waiting_for_old:
         path = run.spec.effective_server.health_path
@@ -360,7 +361,8 @@ def observe(
         trainer_message=trainer_message,
         trainer_failed_permanently=trainer_failed_permanently,
         server_url=(override or service_url) if server_mode else None,
-        server_message=server_message,
+        server_message=server_said or server_message,
+        server_failed_permanently=server_said is not None,
         initializer=initializer,
         initializer_message=initializer_message,
         initializer_progress=progress,

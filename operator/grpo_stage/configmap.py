@@ -47,6 +47,7 @@ class File:
     path: Path
     size: int
     file_id: FileId  # which file was listed at path: the one read
+    top: Path | None = None  # the SRC directory it was listed in, read beneath without following a link
 
 
 @dataclass(frozen=True)
@@ -122,24 +123,37 @@ def _too_large(size: int) -> StageError:
     )
 
 
-def _directory_files(source: Source, dereference: bool) -> list[File]:
+def _list_directory(directory: Path, listed_as: FileId, dereference: bool) -> list[tuple[Path, os.stat_result, bool]]:
+    """Each entry of the SRC directory and its status, looked up through a descriptor of the directory that was
+    listed (a SRC swapped for a link since is refused, not read through)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | (0 if listed_as.via_link else os.O_NOFOLLOW)
+    try:
+        dir_fd = os.open(directory, flags)
+    except OSError as exc:
+        raise StageError(f"cannot read directory {directory} (did it become a symbolic link?): {exc.strerror}") from exc
+    try:
+        if FileId.of(os.fstat(dir_fd), listed_as.via_link) != listed_as:
+            raise StageError(f"{directory} is no longer the directory that was listed (it was replaced while grpo "
+                             "stage ran): stage it again")
+        listed = []
+        for name in sorted(os.listdir(dir_fd)):
+            path = directory / name
+            st, via_link = status(path, dereference=dereference, dir_fd=dir_fd)
+            listed.append((path, st, via_link))
+        return listed
+    except OSError as exc:
+        raise StageError(f"cannot read {exc.filename or directory}: {exc.strerror}") from exc
+    finally:
+        os.close(dir_fd)
+
+
+def _directory_files(source: Source, listed_as: FileId, dereference: bool) -> list[File]:
     """The regular files at the top of a SRC directory (not recursive); StageError on anything else,
     a symbolic link included unless `dereference` (see `localfiles`)."""
     directory = source.path
     if source.key is not None:
         raise StageError(f"SRC {directory} is a directory: give KEY only for a file (argument {source})")
-    try:
-        names = sorted(entry.name for entry in os.scandir(directory))
-    except OSError as exc:
-        raise StageError(f"cannot read directory {directory}: {exc.strerror}") from exc
-    listed: list[tuple[Path, os.stat_result, bool]] = []
-    for name in names:
-        path = directory / name
-        try:
-            st, via_link = status(path, dereference=dereference)
-        except OSError as exc:
-            raise StageError(f"cannot read {path}: {exc.strerror}") from exc
-        listed.append((path, st, via_link))
+    listed = _list_directory(directory, listed_as, dereference)
     subdirectories = [path.name for path, st, _ in listed if stat.S_ISDIR(st.st_mode)]
     if subdirectories:
         raise StageError(
@@ -153,7 +167,7 @@ def _directory_files(source: Source, dereference: bool) -> list[File]:
         problem = key_problem(path.name)
         if problem:
             raise StageError(f"{path}: its name is not a ConfigMap key ({problem}); rename it or give it as SRC:KEY")
-        files.append(File(key=path.name, path=path, size=st.st_size, file_id=FileId.of(st, via_link)))
+        files.append(File(key=path.name, path=path, size=st.st_size, file_id=FileId.of(st, via_link), top=directory))
     if not files:
         raise StageError(f"SRC directory {directory} holds no files")
     return files
@@ -182,7 +196,7 @@ def collect_files(sources: list[Source], dereference: bool = False) -> list[File
         except OSError as exc:
             raise StageError(f"cannot read SRC {source.path}: {exc.strerror} (argument {source})") from exc
         if stat.S_ISDIR(st.st_mode):
-            files.extend(_directory_files(source, dereference))
+            files.extend(_directory_files(source, FileId.of(st, via_link), dereference))
         elif stat.S_ISREG(st.st_mode):
             files.append(_file(source, st, via_link))
         else:
@@ -205,7 +219,7 @@ def read_payload(files: list[File]) -> Payload:
     items: list[Item] = []
     for f in files:
         try:
-            with open_listed(f.path, f.file_id) as stream:
+            with open_listed(f.path, f.file_id, f.top) as stream:
                 # One byte past the limit is enough to refuse a file that grew since it was listed.
                 content = stream.read(SIZE_LIMIT + 1)
         except OSError as exc:

@@ -24,6 +24,8 @@ class Entry:
     mode: int
     mtime: float
     file_id: FileId | None  # which file was listed at source (None for a directory)
+    top: Path | None = None  # the SRC directory it was listed in, read beneath without following a link
+
 
     @property
     def is_dir(self) -> bool:
@@ -38,43 +40,80 @@ def _checked_name(name: str, path: str) -> str:
     return name
 
 
-def _file_entry(path: str, name: str, dereference: bool) -> Entry:
-    st, via_link = status(path, dereference=dereference)
+def _file_entry(path: str, name: str, dereference: bool, dir_fd: int, top: Path) -> Entry:
+    st, via_link = status(path, dereference=dereference, dir_fd=dir_fd)
     if not stat.S_ISREG(st.st_mode):
         raise StageError(f"{path} is neither a regular file nor a directory")
     return Entry(
         name=_checked_name(name, path), source=Path(path), size=st.st_size, mode=st.st_mode, mtime=st.st_mtime,
-        file_id=FileId.of(st, via_link),
+        file_id=FileId.of(st, via_link), top=top,
     )
 
 
-def _walk(mapping: Mapping, dereference: bool) -> Iterator[Entry]:
+def _open_top(top: Path, listed_as: FileId) -> int:
+    """The SRC directory that was listed, opened (through a link only where -L allowed it when it was listed)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | (0 if listed_as.via_link else os.O_NOFOLLOW)
+    try:
+        fd = os.open(top, flags)
+    except OSError as exc:
+        raise StageError(f"cannot read directory {top} (did it become a symbolic link?): {exc.strerror}") from exc
+    if FileId.of(os.fstat(fd), listed_as.via_link) != listed_as:
+        os.close(fd)
+        raise StageError(f"{top} is no longer the directory that was listed (it was replaced while grpo stage ran): "
+                         "stage it again")
+    return fd
+
+
+def _walk(mapping: Mapping, listed_as: FileId, dereference: bool) -> Iterator[Entry]:
+    """The members under a SRC directory. os.fwalk lists each directory through a descriptor of it and looks its
+    entries up there, so no lookup passes through a link; a directory it does not walk after listing it (one
+    swapped for a link in between: fwalk skips what is no longer the directory it listed) is refused."""
     top = mapping.source
+    listed, walked = {"."}, set()
 
     def fail(exc: OSError) -> None:
-        raise StageError(f"cannot read {exc.filename}: {exc.strerror} (argument {mapping})")
+        raise StageError(f"cannot read {os.path.join(top, exc.filename or '')}: {exc.strerror} (argument {mapping})")
 
-    # followlinks=False: os.walk lists a link to a directory among the directories and does not enter it.
-    for directory, dirnames, filenames in os.walk(top, onerror=fail):
-        dirnames.sort()
-        filenames.sort()
-        rel = os.path.relpath(directory, top)
-        prefix = mapping.dest if rel == "." else mapping.dest + "/" + rel.replace(os.sep, "/")
-        for dirname in dirnames:
-            path = os.path.join(directory, dirname)
-            st = os.lstat(path)
-            if stat.S_ISLNK(st.st_mode):
-                # Not even with -L: a walk that follows directory links can leave the folder or loop.
-                raise StageError(
-                    f"{path} is a symbolic link to a directory ({link_target(path)}): {LINK_RULE} "
-                    "(-L follows links to files only; give a linked directory as a SRC of its own)"
-                )
-            yield Entry(
-                name=_checked_name(f"{prefix}/{dirname}", path), source=None, size=0, mode=st.st_mode,
-                mtime=st.st_mtime, file_id=None,
+    top_fd = _open_top(top, listed_as)
+    try:
+        # follow_symlinks=False: a link to a directory is listed among the directories and not entered.
+        for directory, dirnames, filenames, dir_fd in os.fwalk(".", onerror=fail, follow_symlinks=False,
+                                                               dir_fd=top_fd):
+            dirnames.sort()
+            filenames.sort()
+            rel = os.path.normpath(directory)
+            walked.add(rel)
+            yield from _listed_here(mapping, rel, dirnames, filenames, dir_fd, dereference)
+            listed.update(os.path.normpath(os.path.join(rel, d)) for d in dirnames)
+    finally:
+        os.close(top_fd)
+    if unwalked := sorted(listed - walked):
+        path = os.path.join(top, unwalked[0])
+        raise StageError(f"{path} is no longer the directory that was listed (swapped for a symbolic link to "
+                         f"{link_target(path)}?) while grpo stage ran: {LINK_RULE}")
+
+
+def _listed_here(mapping: Mapping, rel: str, dirnames: list[str], filenames: list[str], dir_fd: int,
+                 dereference: bool) -> Iterator[Entry]:
+    """The members of one directory of the walk (rel to the SRC), looked up through its descriptor."""
+    top = mapping.source
+    directory = top if rel == "." else top / rel
+    prefix = mapping.dest if rel == "." else mapping.dest + "/" + rel.replace(os.sep, "/")
+    for dirname in dirnames:
+        path = os.path.join(directory, dirname)
+        st = os.stat(dirname, dir_fd=dir_fd, follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode):
+            # Not even with -L: a walk that follows directory links can leave the folder or loop.
+            raise StageError(
+                f"{path} is a symbolic link to a directory ({link_target(path)}): {LINK_RULE} "
+                "(-L follows links to files only; give a linked directory as a SRC of its own)"
             )
-        for filename in filenames:
-            yield _file_entry(os.path.join(directory, filename), f"{prefix}/{filename}", dereference)
+        yield Entry(
+            name=_checked_name(f"{prefix}/{dirname}", path), source=None, size=0, mode=st.st_mode,
+            mtime=st.st_mtime, file_id=None,
+        )
+    for filename in filenames:
+        yield _file_entry(os.path.join(directory, filename), f"{prefix}/{filename}", dereference, dir_fd, top)
 
 
 def collect(mappings: list[Mapping], dereference: bool = False) -> list[Entry]:
@@ -99,7 +138,7 @@ def collect(mappings: list[Mapping], dereference: bool = False) -> list[Entry]:
             entries.append(
                 Entry(name=mapping.dest, source=None, size=0, mode=st.st_mode, mtime=st.st_mtime, file_id=None)
             )
-            entries.extend(_walk(mapping, dereference))
+            entries.extend(_walk(mapping, FileId.of(st, via_link), dereference))
         else:
             raise StageError(f"SRC {source} is neither a regular file nor a directory (argument {mapping})")
     return entries

@@ -121,7 +121,7 @@ def _write(entries: Sequence[Entry], sink: _Guard, on_read: Callable[[str, int],
 
         assert entry.file_id is not None  # a file entry always records which file was listed
         try:
-            with open_listed(entry.source, entry.file_id) as raw:
+            with open_listed(entry.source, entry.file_id, entry.top) as raw:
                 reader = _HashingReader(raw, count)
                 tar.addfile(info, reader)
                 changed = os.fstat(raw.fileno()).st_size != entry.size

@@ -8,7 +8,9 @@
                           module that does not import, a setting the trainer does not implement): the run
                           fails at once as `InvalidSpec`, without another attempt or another server
 
-The numbers are the initializer's too (`grpo_api.prepare_protocol`: 0 ready, 1 transient, 2 permanent).
+The numbers are the initializer's too (`grpo_api.prepare_protocol`: 0 ready, 1 transient, 2 permanent), and
+`grpo serve` exits with 2 when its engine cannot run where it is (no vLLM in the image, no GPU): the executors
+fail the run as InvalidSpec in its words instead of waiting for serverReadyTimeoutSeconds and retrying.
 The operator's trainer Job fails at once on EXIT_INVALID_SPEC (its podFailurePolicy; the Job's Failed
 condition then has reason `PodFailurePolicy`) and it reads the code from the pod's status; `grpo run`
 reads it from the process. The last words (the error, naming the field, file and function) go to the

@@ -151,6 +151,9 @@ class Observation:
     #: Trouble with the current attempt's server (pod unschedulable, image pull, crash loop), if
     #: any; recorded in status.server.message.
     server_message: str = ""
+    #: A server of the current attempt exited with `grpo_api.exit_codes.EXIT_INVALID_SPEC` (its engine cannot
+    #: run there: no vLLM in the image, no GPU), in its words in `server_message`: no fresh server fixes it.
+    server_failed_permanently: bool = False
     #: The run's initializer (a Job, or a process): fetches and checks the sources once per run.
     initializer: TrainerState = TrainerState.ABSENT
     #: Why it failed (its termination message), or its trouble while it runs (image pull, scheduling).
@@ -638,6 +641,16 @@ class _Step:
     def await_server(self) -> None:
         attempt = self.status.attempt
         if not self.children_intact():
+            return
+        if self.obs.server_failed_permanently:
+            self.status.failed_attempts += 1
+            self.status.server.message = _truncate(self.obs.server_message) or None
+            self.finish(
+                Phase.FAILED,
+                Reason.INVALID_SPEC,
+                f"server of attempt {attempt} failed on a configuration problem that no retry fixes: "
+                f"{self.obs.server_message or 'exit code 2'}",
+            )
             return
         self.actions.append(EnsureServer(attempt, self.replicas))
         self.status.server.message = _truncate(self.obs.server_message) or None

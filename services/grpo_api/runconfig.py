@@ -8,7 +8,9 @@ which paths default to a directory beside the file.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,6 +53,11 @@ class RunPaths(BaseModel):
         """Every step's progress record, one JSON line each (the local runner's reward curve)."""
         return str(history_file_for(Path(self.progress_file)))
 
+    @property
+    def fetched_commits_file(self) -> str:
+        """The commit of each hf:// source the run's initializer fetched (FetchedCommits), beside the progress file."""
+        return str(Path(self.progress_file).with_suffix(".sources.json"))
+
     @classmethod
     def under(cls, volume_root: str | Path, run_name: str) -> RunPaths:
         root = Path(volume_root)
@@ -74,6 +81,18 @@ class ServerEndpoints(BaseModel):
     )
     port: int | None = Field(default=None, ge=1, le=65535, description="Port of the replicas (with dnsName).")
     urls: list[str] = Field(default_factory=list, description="Base URLs of the replicas (local processes).")
+
+
+class FetchedCommits(BaseModel):
+    """What the initializer fetched for one run: hf:// source folder -> commit. The server and trainer read the
+    files of these commits (`ResolvedSources.at_commits`), so another run's fetch of a moved branch, which lands in
+    a folder of its own, changes nothing they read; the run names whose record it is (a run re-created under the
+    same name writes its own before its server starts)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run: RunRef
+    commits: dict[str, str]
 
 
 class RunConfig(BaseModel):
@@ -104,14 +123,46 @@ class RunConfig(BaseModel):
         p = Path(path).expanduser()
         return p if p.is_absolute() else (Path(self.base_dir) / p)
 
+    def record_fetched_commits(self, commits: dict[str, str]) -> None:
+        """The initializer's record of the commits it fetched for this run, replaced atomically."""
+        path = Path(self.paths.fetched_commits_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(FetchedCommits(run=self.run, commits=commits).model_dump_json())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def fetched_commits(self) -> dict[str, str]:
+        """The commits this run's initializer fetched; empty when it has not (or the record is another run's)."""
+        try:
+            record = FetchedCommits.model_validate_json(Path(self.paths.fetched_commits_file).read_bytes())
+        except (OSError, ValidationError):
+            return {}
+        return record.commits if record.run == self.run else {}
+
+    def _fetched(self, path: str | None) -> Path | None:
+        """A source path; one inside an hf:// source's folder is taken in the folder of the commit fetched for this
+        run, so another run's fetch of a moved branch changes nothing this run reads."""
+        if path is None or not self.sources.fetches:
+            return None if path is None else Path(path)
+        try:
+            return Path(self.sources.at_commits(path, self.fetched_commits()))
+        except SourceError as exc:
+            raise RunConfigError(f"{exc}: {self.paths.fetched_commits_file} has no record for this run") from exc
+
     def model_dir(self) -> Path:
         """The base model's directory: spec.model.path, else spec.model.name as a directory or a cached hub id.
 
         Raises RunConfigError naming the field when neither resolves (no hub is contacted).
         """
         model = self.spec.model
-        if self.sources.model_dir is not None:
-            path = Path(self.sources.model_dir)
+        path = self._fetched(self.sources.model_dir)
+        if path is not None:
             if not (path / "config.json").is_file():
                 raise RunConfigError(
                     f"spec.model.source {model.source}: {path} is not a Hugging Face model directory "
@@ -142,8 +193,9 @@ class RunConfig(BaseModel):
 
     def dataset_path(self) -> Path:
         """The dataset file or directory: inside its source, else spec.dataset.path."""
-        if self.sources.dataset_path is not None:
-            return Path(self.sources.dataset_path)
+        dataset_path = self._fetched(self.sources.dataset_path)
+        if dataset_path is not None:
+            return dataset_path
         return self.resolve(self.spec.dataset.path)
 
     def reward_search_paths(self) -> list[Path]:

@@ -5,7 +5,9 @@ A source is a URI in the spec (`model.source`, `dataset.source`, `rewardCode.sou
 - `pvc://CLAIM/PATH`: an existing PersistentVolumeClaim of the run's namespace, mounted read-only;
 - `hf://[ORG/]NAME[@REVISION]`: a Hugging Face repository, fetched once per run by the initializer
   onto the run's volume (`hub_dir`: `<volume>/hub/<models|datasets>/<ORG--NAME@REVISION>-<digest>`,
-  one folder per distinct source, shared by the runs of a claim, resumable);
+  one folder per distinct source, shared by the runs of a claim, resumable), whose files are kept per
+  commit (`hub_snapshot_dir`: `.../snapshots/<commit>`) as huggingface_hub's cache keeps them: a branch
+  that moves gets a new folder, and the files another run reads are never changed;
 - `oci://REFERENCE`: an OCI image mounted read-only (a Kubernetes image volume);
 - `configmap://NAME`: a ConfigMap of the run's namespace (datasets and reward code).
 
@@ -42,6 +44,10 @@ HUB_DIGEST_CHARS = 16
 #: The readable part of a hub folder's name is cut to this: a name has at most 255 bytes, a revision
 #: alone up to 1031 characters; the digest keeps cut names distinct.
 HUB_READABLE_CHARS = 200
+#: Inside a hub source's folder: one folder of files per commit (`hub_snapshot_dir`), as in huggingface_hub's
+#: cache (snapshots/<commit>), each complete once and never changed after.
+HUB_SNAPSHOTS = "snapshots"
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 class SourceError(ValueError):
@@ -134,6 +140,15 @@ def hub_dir(volume_root: str, key: HubKey) -> str:
     return posixpath.join(volume_root, "hub", f"{key.repo_type}s", f"{readable}-{key.digest()}")
 
 
+def hub_snapshot_dir(source_dir: str, commit: str) -> str:
+    """The files of one commit of the source whose folder is source_dir. A run reads the commit its initializer
+    fetched (`ResolvedSources.at_commits`), so a branch that moves later gives the next run a folder of its own
+    instead of changing files under a run that reads them."""
+    if not _COMMIT.fullmatch(commit):
+        raise SourceError(f"{commit!r} is not a commit (40 lowercase hex digits)")
+    return posixpath.join(source_dir, HUB_SNAPSHOTS, commit)
+
+
 class HubFetch(BaseModel):
     """One hf:// repository the initializer fetches."""
 
@@ -164,6 +179,21 @@ class ResolvedSources(BaseModel):
     inline_rewards_dir: str | None = Field(
         default=None, description="Where the initializer writes spec.rewardCode.inline (grpo run only)."
     )
+
+    def at_commits(self, path: str, commits: dict[str, str]) -> str:
+        """`path` (model_dir or dataset_path) inside the folder of the commit the run's initializer fetched, when it
+        lies in a fetch's source folder (`commits`: fetch.local_dir -> commit); raises SourceError naming the field
+        when that fetch has no commit yet."""
+        for fetch in self.fetches:
+            inner = posixpath.relpath(path, fetch.local_dir)
+            if inner == ".." or inner.startswith("../"):
+                continue
+            commit = commits.get(fetch.local_dir)
+            if commit is None:
+                raise SourceError(f"{fetch.field} hf://{fetch.repo_id}@{fetch.revision}: the initializer has not "
+                                  "fetched it for this run (no commit on record)")
+            return posixpath.normpath(posixpath.join(hub_snapshot_dir(fetch.local_dir, commit), inner))
+        return path
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,27 @@ from pydantic import (
     model_validator,
 )
 
+from grpo_api.models import GRPORunSpec, Mode, WeightTransfer
+
+#: What `server.weightTransfer: auto` becomes: `grpo run` sets ipc for its server and initializer (server and
+#: trainer share the GPU); unset (a cluster: separate pods), nccl.
+ENV_WEIGHT_TRANSFER = "GRPO_WEIGHT_TRANSFER"
+
+
+def resolve_weight_transfer(spec: GRPORunSpec, auto: str | None) -> str | None:
+    """The backend the vllm engine is configured with: none unless the trainer pushes weights (server
+    mode, trainer.tuning full or sync merged); `auto` takes ${ENV_WEIGHT_TRANSFER} (ipc or nccl), else nccl."""
+    if spec.mode != Mode.SERVER or not spec.trainer.pushes_weights:
+        return None
+    chosen = spec.effective_server.weight_transfer
+    if chosen != WeightTransfer.AUTO:
+        return str(chosen)
+    value = (auto or "").strip().lower() or str(WeightTransfer.NCCL)
+    if value not in (WeightTransfer.IPC, WeightTransfer.NCCL):
+        raise ValueError(f"${ENV_WEIGHT_TRANSFER}={auto!r} must be ipc or nccl")
+    return value
+
+
 #: Store prefix of the gloo exchange (the transformers engine's transport), shared by trainer and server.
 GLOO_STORE_PREFIX = "grpo-weight-transfer"
 #: Response header of every generation: the weights version that produced it (0: the weights read from disk).

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from pathlib import Path
 
 import click
 
+from grpo_api.exit_codes import EXIT_INVALID_SPEC, clip_final_message, write_termination_message
 from grpo_api.runconfig import RunConfigError, load_run_config
 
 log = logging.getLogger("grpo_server")
@@ -100,4 +102,9 @@ def serve(
     server.run()
     if service.load_error:
         log.error("engine failed to start: %s", service.load_error)
+        if service.load_error_permanent:
+            # The executors fail the run at once on this code (InvalidSpec), in these words.
+            with contextlib.suppress(OSError):
+                write_termination_message(clip_final_message(f"the server cannot run: {service.load_error}"))
+            sys.exit(EXIT_INVALID_SPEC)
         sys.exit(1)

@@ -35,7 +35,7 @@ from grpo_server.adapter_checks import (
     linear_shapes,
     verify_adapter_files,
 )
-from grpo_server.engines import choose_engine, create_engine
+from grpo_server.engines import EngineUnavailable, choose_engine, create_engine
 from grpo_server.engines.base import (
     AdapterHandle,
     AdapterLoadError,
@@ -92,6 +92,9 @@ class GenerationService:
         self.limits: Limits | None = None
         self.ready = False
         self.load_error: str | None = None
+        #: The engine cannot run in this process at all (EngineUnavailable: no vLLM, no GPU): a configuration
+        #: problem that no fresh server fixes, so the process exits with EXIT_INVALID_SPEC.
+        self.load_error_permanent = False
         #: Called when the engine cannot start: the process should exit.
         self.on_fatal: Callable[[], None] = lambda: None
         self._trigger_lock = asyncio.Lock()
@@ -135,6 +138,7 @@ class GenerationService:
         except Exception as exc:
             fingerprint.cancel()
             self.load_error = f"{type(exc).__name__}: {exc}"
+            self.load_error_permanent = isinstance(exc, EngineUnavailable)
             log.exception("engine %s failed to start", self.engine_kind)
             self.on_fatal()
             return

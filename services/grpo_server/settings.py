@@ -6,9 +6,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_api.models import GRPORunSpec, Mode, ServerSpec, WeightTransfer
+from grpo_api.models import ServerSpec
 from grpo_api.protocol import ENV_ATTEMPT
 from grpo_api.runconfig import RunConfig
+from grpo_api.weight_transfer import ENV_WEIGHT_TRANSFER, resolve_weight_transfer
 
 #: Largest request body accepted; more is answered 413. Overridable for very large token-id batches.
 ENV_MAX_BODY_BYTES = "GRPO_SERVER_MAX_BODY_BYTES"
@@ -19,8 +20,6 @@ ENV_ALLOW_CHAT_TEMPLATES = "GRPO_SERVER_ALLOW_CHAT_TEMPLATES"
 DEFAULT_HOST = "127.0.0.1"
 #: How long SIGTERM waits for in-flight requests before closing them.
 GRACEFUL_SHUTDOWN_SECONDS = 20
-#: What `server.weightTransfer: auto` becomes: `grpo run` sets ipc (server and trainer share the GPU); unset, nccl.
-ENV_WEIGHT_TRANSFER = "GRPO_WEIGHT_TRANSFER"
 #: How long a second adapter trigger waits for the first before it is refused.
 TRIGGER_WAIT_SECONDS = 120.0
 
@@ -57,20 +56,6 @@ def attempt_from(raw: str | None) -> int | None:
     if not raw.strip().isdigit() or len(raw.strip()) > 9:
         raise ValueError(f"${ENV_ATTEMPT}={raw[:40]!r} must be a whole number (the run's attempt)")
     return int(raw)
-
-
-def resolve_weight_transfer(spec: GRPORunSpec, auto: str | None) -> str | None:
-    """The backend the vllm engine is configured with: none unless the trainer pushes weights (server
-    mode, trainer.tuning full or sync merged); `auto` takes ${ENV_WEIGHT_TRANSFER} (ipc or nccl), else nccl."""
-    if spec.mode != Mode.SERVER or not spec.trainer.pushes_weights:
-        return None
-    chosen = spec.effective_server.weight_transfer
-    if chosen != WeightTransfer.AUTO:
-        return str(chosen)
-    value = (auto or "").strip().lower() or str(WeightTransfer.NCCL)
-    if value not in (WeightTransfer.IPC, WeightTransfer.NCCL):
-        raise ValueError(f"${ENV_WEIGHT_TRANSFER}={auto!r} must be ipc or nccl")
-    return value
 
 
 def settings_from_config(

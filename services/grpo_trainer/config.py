@@ -10,8 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from grpo_api.models import GRPORunSpec, LoraSpec, Mode, Strategy
+from grpo_api.models import Engine, GRPORunSpec, LoraSpec, Mode, Strategy, Tuning, WeightTransfer
 from grpo_trainer.errors import UnsupportedSetting
+
+#: Where a user finds an image that has what `vllm_needed_for` asks for.
+VLLM_IMAGE_HINT = (
+    "use a trainer image with vLLM (Dockerfile.trainer built with ENGINE=vllm, its default; the operator's "
+    "default trainer image is one)"
+)
 
 
 @dataclass(frozen=True)
@@ -24,13 +30,49 @@ class Platform:
     bitsandbytes: bool
 
 
-def check_supported(spec: GRPORunSpec, platform: Platform) -> None:
-    """Refuse settings this trainer does not implement, naming the field."""
-    if spec.mode == Mode.COLOCATE and not (platform.cuda and platform.vllm):
-        missing = [name for name, ok in (("a CUDA GPU", platform.cuda), ("vLLM", platform.vllm)) if not ok]
+def _server_on_gpu(spec: GRPORunSpec) -> bool:
+    """Whether the server runs the vllm engine: named, or `auto` with a GPU (an extended resource such as
+    nvidia.com/gpu) in its resources; the transformers engine takes weights over gloo, which needs no vLLM."""
+    server = spec.effective_server
+    if server.engine != Engine.AUTO:
+        return server.engine == Engine.VLLM
+    asked = {**server.resources.requests, **server.resources.limits}
+    return any(name.endswith("/gpu") and str(value).strip() not in ("0", "") for name, value in asked.items())
+
+
+def vllm_needed_for(spec: GRPORunSpec, weight_transfer: str | None) -> str | None:
+    """Why this run needs vLLM in the trainer's own image, naming the fields; None when it does not.
+    `weight_transfer` is the resolved backend (`grpo_api.weight_transfer.resolve_weight_transfer`)."""
+    if spec.mode == Mode.COLOCATE:
+        return "spec.mode colocate runs vLLM inside the trainer"
+    if weight_transfer == WeightTransfer.NCCL and _server_on_gpu(spec):
+        what = "spec.trainer.tuning full" if spec.trainer.tuning == Tuning.FULL else "spec.trainer.sync merged"
+        chosen = spec.effective_server.weight_transfer
+        how = "nccl" if chosen == WeightTransfer.NCCL else "auto: nccl with server and trainer in separate pods"
+        return (f"{what} sends the weights to the vllm server over nccl (spec.server.weightTransfer {how}), and the "
+                "trainer's side of that is vLLM's (NCCLWeightTransferEngine)")
+    return None
+
+
+def image_lacks_vllm(need: str, error: str) -> UnsupportedSetting:
+    """The refusal of a run that needs vLLM in a trainer image without it (`need`: `vllm_needed_for`'s reason)."""
+    other = ("or mode server" if need.startswith("spec.mode colocate")
+             else "or put the server on the trainer's GPU (spec.server.weightTransfer ipc), or use trainer.tuning lora "
+                  "with sync adapter")
+    return UnsupportedSetting(f"spec.trainer.image: {need}, but this image has no vLLM ({error}); "
+                              f"{VLLM_IMAGE_HINT}, {other}")
+
+
+def check_supported(spec: GRPORunSpec, platform: Platform, weight_transfer: str | None = None) -> None:
+    """Refuse settings this trainer does not implement, naming the field. `weight_transfer`: the resolved
+    backend the server takes weights over (None: the trainer pushes none)."""
+    need = vllm_needed_for(spec, weight_transfer)
+    if need is not None and not platform.vllm:
+        raise image_lacks_vllm(need, "`import vllm` finds no module")
+    if spec.mode == Mode.COLOCATE and not platform.cuda:
         raise UnsupportedSetting(
-            f"spec.mode colocate runs vLLM inside the trainer and needs {' and '.join(missing)}, which this "
-            "machine lacks; use mode server (the default) here"
+            "spec.mode colocate runs vLLM inside the trainer and needs a CUDA GPU, which this machine lacks; use "
+            "mode server (the default) here"
         )
     if spec.trainer.strategy == Strategy.FSDP and not platform.cuda:
         raise UnsupportedSetting(

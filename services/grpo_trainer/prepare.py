@@ -3,11 +3,16 @@
 1. writes `spec.rewardCode.inline` into `sources.inline_rewards_dir` (`grpo run` only);
 2. fetches every hf:// source (`sources.fetches`) onto the volume, resumably: files already complete
    (per huggingface_hub's local-dir metadata) are not downloaded again, a failed run keeps the files
-   it finished; each source has a folder of its own, whose record (FETCH_RECORD) names the source
-   from the first download on, and a folder recorded for another source is refused, never fetched
-   over; the endpoint is not trusted: a file list no repository has, a file going past the size
-   the list announces, or a file not at the resolved commit fails the fetch, and the token is never sent
-   to another host than the endpoint;
+   it finished; each source has a folder of its own (SOURCE_RECORD names the source) and in it one
+   folder per commit (FETCH_RECORD names the commit), as huggingface_hub's cache: a moved branch is
+   fetched into a new folder and a complete commit's folder is never written again, so no fetch
+   changes files another run reads; a folder recorded for another source or commit is refused, never
+   fetched over, and a folder of the layout before the escaped names (hub/<type>s/ORG/NAME/REVISION)
+   is never read; the commit fetched is recorded for the run (`RunConfig.record_fetched_commits`),
+   whose server and trainer read that commit's folder; one file failing stops the others at their
+   next chunk; the endpoint is not trusted: a file list no repository has, a file going past the size
+   the list announces, or a file not at the resolved commit fails the fetch, and the token is never
+   sent to another host than the endpoint;
 3. checks what the server and trainer will read, in their order: the model directory and its
    tokenizer, the dataset (as the trainer loads it), the reward functions (imported as the trainer
    imports them);
@@ -34,7 +39,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path, PureWindowsPath
-from typing import IO, TYPE_CHECKING, Any, cast
+from typing import IO, TYPE_CHECKING, Any, TypeVar, cast
 from urllib.parse import urlsplit
 
 from grpo_api import exit_codes
@@ -49,7 +54,7 @@ from grpo_api.prepare_protocol import (
     format_event,
 )
 from grpo_api.runconfig import RunConfig, RunConfigError, load_run_config
-from grpo_api.sources import HubFetch
+from grpo_api.sources import HubFetch, hub_snapshot_dir
 
 if TYPE_CHECKING:
     import httpx
@@ -58,13 +63,20 @@ if TYPE_CHECKING:
 PROGRESS_INTERVAL_S = 5.0
 #: Files downloaded in parallel per repository (huggingface_hub's snapshot_download uses 8 too).
 FETCH_WORKERS = 8
-#: In local_dir: the source it holds (written before the first download) and, once complete, the commit and
-#: files (lets a later run start while the hub is unreachable).
+#: In a source's folder (hub_dir): the source it holds, written before its first download, and the commit of its
+#: latest complete fetch (lets a later run start while the hub is unreachable).
+SOURCE_RECORD = ".cache/grpo-source.json"
+#: In a commit's folder (hub_snapshot_dir): the source and commit it holds, written before its first download,
+#: and, once complete, its files.
 FETCH_RECORD = ".cache/grpo-fetch.json"
 #: Read timeout of the file-list call (huggingface_hub sets none: an endpoint that never answers would hang the run).
 HUB_API_TIMEOUT_S = 60.0
+#: The whole file-list call, however its answer trickles in: the read timeout bounds each read only, so an
+#: endpoint sending a byte a minute would hold the run forever.
+HUB_API_DEADLINE_S = 180.0
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+_T = TypeVar("_T")
 
 _MODULE_FILE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,100}\.py")
 
@@ -75,6 +87,10 @@ class PrepareFailed(Exception):
     def __init__(self, message: str, *, permanent: bool) -> None:
         super().__init__(message)
         self.permanent = permanent
+
+
+class DownloadStopped(Exception):
+    """Raised inside huggingface_hub's download of one file when another file of the repository failed."""
 
 
 class HubAnswerRefused(Exception):
@@ -252,6 +268,8 @@ def classify_hub_error(exc: BaseException) -> HubErrorInfo:
             return HubErrorInfo(True, "HF_HUB_OFFLINE is set in the environment")
         if isinstance(error, httpx.TimeoutException):
             return HubErrorInfo(False, f"timed out ({type(error).__name__})")
+        if isinstance(error, TimeoutError):
+            return HubErrorInfo(False, f"timed out ({error})")
         if isinstance(error, httpx.ConnectError):
             return HubErrorInfo(False, f"cannot connect ({error})")
         if isinstance(error, httpx.TransportError):
@@ -358,6 +376,11 @@ class FetchProgress:
         self.done: set[str] = set()
         self._lock = threading.Lock()
         self._last = clock()
+        self.stopped = threading.Event()
+
+    def stop(self) -> None:
+        """Every download still running stops at its next chunk (raises DownloadStopped from its bar)."""
+        self.stopped.set()
 
     @property
     def total_bytes(self) -> int | None:
@@ -427,6 +450,8 @@ class _FileBar:
         return None
 
     def update(self, n: float | None = 1) -> None:
+        if self.progress.stopped.is_set():
+            raise DownloadStopped("another file of the repository failed")
         self.n += int(n or 0)
         if self.limit is not None and self.n > self.limit:
             raise HubAnswerRefused(f"the endpoint sends more than the {self.limit} bytes its file list announces")
@@ -451,64 +476,111 @@ class _FileBar:
         return None
 
 
-def _record_path(local_dir: Path) -> Path:
-    return local_dir / FETCH_RECORD
-
-
-def _write_record(fetch: HubFetch, local_dir: Path, commit: str, files: list[str] | None) -> None:
-    """The record names the source (fetch.key) from the first download on, so that no other source is ever
-    fetched into this folder; `files` None: not complete yet."""
-    path = _record_path(local_dir)
-    record = {**fetch.key.to_json(), "commit": commit, "files": files}
+def _write_json(path: Path, record: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".grpo-fetch.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(record, f)
-    os.replace(tmp, path)
-
-
-def _read_record(local_dir: Path) -> dict[str, Any]:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
     try:
-        record = json.loads(_record_path(local_dir).read_text())
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        record = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
     return record if isinstance(record, dict) else {}
 
 
-def _recorded_key(record: dict[str, Any], fetch: HubFetch) -> dict[str, Any]:
-    return {name: record.get(name) for name in fetch.key.to_json()}
+def _source_record(fetch: HubFetch) -> Path:
+    return Path(fetch.local_dir) / SOURCE_RECORD
+
+
+def _snapshot(fetch: HubFetch, commit: str) -> Path:
+    return Path(hub_snapshot_dir(fetch.local_dir, commit))
+
+
+def _snapshot_record(fetch: HubFetch, commit: str) -> Path:
+    return _snapshot(fetch, commit) / FETCH_RECORD
+
+
+def _refuse_another_source(fetch: HubFetch, record_path: Path, wanted: dict[str, Any]) -> None:
+    """Refuse (permanent) a folder whose record names another source or commit than `wanted`."""
+    record = _read_json(record_path)
+    if not record:
+        return
+    recorded = {name: record.get(name) for name in wanted}
+    if recorded != wanted:
+        other = ", ".join(f"{name} {value!r}" for name, value in recorded.items())
+        raise PrepareFailed(
+            f"{_label(fetch)}: {record_path.parent.parent} holds a fetch of another source ({other}; its record "
+            f"is {record_path}); refusing to fetch over it. Each hub source has a folder of its own: remove this "
+            "one if nothing uses it",
+            permanent=True,
+        )
 
 
 def check_folder_owner(fetch: HubFetch) -> None:
     """Refuse (permanent) to fetch into a folder whose record names another source: every source has a folder of
     its own (`grpo_api.sources.hub_dir`), so such a record means the folder was copied or renamed by hand, or two
     sources were given one folder; fetching over it would change files another run may be serving."""
-    local_dir = Path(fetch.local_dir)
-    record = _read_record(local_dir)
-    if not record:
-        return
-    recorded, wanted = _recorded_key(record, fetch), fetch.key.to_json()
-    if recorded != wanted:
-        other = ", ".join(f"{name} {value!r}" for name, value in recorded.items())
-        raise PrepareFailed(
-            f"{_label(fetch)}: {local_dir} holds a fetch of another source ({other}; its record is "
-            f"{_record_path(local_dir)}); refusing to fetch over it. Each hub source has a folder of its own: "
-            "remove this one if nothing uses it",
-            permanent=True,
-        )
+    _refuse_another_source(fetch, _source_record(fetch), fetch.key.to_json())
+
+
+def check_snapshot_owner(fetch: HubFetch, commit: str) -> None:
+    """The same for the folder of one commit, whose record also names the commit."""
+    _refuse_another_source(fetch, _snapshot_record(fetch, commit), {**fetch.key.to_json(), "commit": commit})
+
+
+def _snapshot_complete(fetch: HubFetch, commit: str) -> bool:
+    record = _read_json(_snapshot_record(fetch, commit))
+    if {name: record.get(name) for name in (*fetch.key.to_json(), "commit")} != {**fetch.key.to_json(),
+                                                                                 "commit": commit}:
+        return False
+    files, snapshot = record.get("files"), _snapshot(fetch, commit)
+    return isinstance(files, list) and all(isinstance(f, str) and (snapshot / f).is_file() for f in files)
 
 
 def complete_copy(fetch: HubFetch) -> str | None:
-    """The commit of a complete earlier fetch of this source into local_dir, if any."""
-    local_dir = Path(fetch.local_dir)
-    record = _read_record(local_dir)
-    if _recorded_key(record, fetch) != fetch.key.to_json():
-        return None
-    files = record.get("files")
-    if not isinstance(files, list) or not all(isinstance(f, str) and (local_dir / f).is_file() for f in files):
+    """The commit of the latest complete earlier fetch of this source, if its files are all still there."""
+    record = _read_json(_source_record(fetch))
+    if {name: record.get(name) for name in fetch.key.to_json()} != fetch.key.to_json():
         return None
     commit = record.get("commit")
-    return commit if isinstance(commit, str) else None
+    if not isinstance(commit, str) or not _COMMIT.fullmatch(commit):
+        return None
+    return commit if _snapshot_complete(fetch, commit) else None
+
+
+def _record_source(fetch: HubFetch, latest_complete: str | None) -> None:
+    """The source folder's record: its source, and the commit of its latest complete fetch (None: none yet), as
+    huggingface_hub's refs/<branch> names the commit a branch had."""
+    _write_json(_source_record(fetch), {**fetch.key.to_json(), "commit": latest_complete})
+
+
+def _record_snapshot(fetch: HubFetch, commit: str, files: list[str] | None) -> None:
+    """The commit folder's record names the source and commit from the first download on; `files` None: not
+    complete yet."""
+    _write_json(_snapshot_record(fetch, commit), {**fetch.key.to_json(), "commit": commit, "files": files})
+
+
+def _claim_snapshot(fetch: HubFetch, commit: str) -> Path:
+    """Create the commit's folder and record it (source, then commit) before its first file; returns it."""
+    snapshot = _snapshot(fetch, commit)
+    try:
+        snapshot.mkdir(parents=True, exist_ok=True)
+        if not _source_record(fetch).exists():
+            _record_source(fetch, None)
+        _record_snapshot(fetch, commit, None)
+    except OSError as exc:
+        raise PrepareFailed(f"{_label(fetch)}: cannot create {snapshot} or its record: {exc}",
+                            permanent=True) from exc
+    return snapshot
 
 
 def _download_metadata(local_dir: Path, name: str) -> str | None:
@@ -557,30 +629,54 @@ def _listed_files(
     return sizes, limits
 
 
-def fetch_repository(fetch: HubFetch, reporter: Reporter, *, workers: int = FETCH_WORKERS) -> None:
-    """Download one hf:// repository into fetch.local_dir; files already there at this commit are kept."""
-    from huggingface_hub import HfApi, hf_hub_download
+def _within_deadline(call: Callable[[], _T], seconds: float, what: str) -> _T:
+    """call() in a thread of its own, waited for at most `seconds`; TimeoutError (transient) past them. The thread
+    is left to its read timeout (huggingface_hub's client cannot be interrupted): it is a daemon, and the
+    initializer exits on the failure."""
+    outcome: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as exc:  # handed to the caller's thread
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, name="hub-call", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not outcome:
+        raise TimeoutError(f"{what} did not arrive within {seconds:g} s")
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return cast(_T, value)
+
+
+def fetch_repository(fetch: HubFetch, reporter: Reporter, *, workers: int = FETCH_WORKERS) -> str:
+    """Download one hf:// repository into the folder of the commit its revision resolves to (in fetch.local_dir);
+    the commit. Files already there are kept; a complete commit's folder is not touched at all."""
+    from huggingface_hub import HfApi
 
     token = token_for(fetch)
     if isinstance(token, str):
         reporter.add_secret(token)
         _guard_token(token, _endpoint(fetch))
     label, endpoint = _label(fetch), _endpoint(fetch)
-    local_dir = Path(fetch.local_dir)
     check_folder_owner(fetch)
     reporter.progress(f"{label}: resolving at {endpoint}")
     api = HfApi(endpoint=endpoint, token=token)
     try:
-        info = api.repo_info(fetch.repo_id, revision=fetch.revision, repo_type=fetch.repo_type, files_metadata=True,
-                             timeout=HUB_API_TIMEOUT_S)
+        info = _within_deadline(lambda: api.repo_info(fetch.repo_id, revision=fetch.revision, repo_type=fetch.repo_type,
+                                                      files_metadata=True, timeout=HUB_API_TIMEOUT_S),
+                                HUB_API_DEADLINE_S, "the file list")
     except Exception as exc:
         failure = hub_failure(fetch, exc)
         commit = None if failure.permanent else complete_copy(fetch)
         if commit is None:
             raise failure from exc
         reporter.progress(f"{label}: hub unreachable; using the complete copy fetched before (commit {commit[:12]})")
-        reporter.note(f"{failure}; using the complete copy in {local_dir}")
-        return
+        reporter.note(f"{failure}; using the complete copy in {_snapshot(fetch, commit)}")
+        return commit
     commit = info.sha
     siblings = getattr(info, "siblings", None)
     if not commit or not isinstance(commit, str) or not isinstance(siblings, list):
@@ -588,26 +684,38 @@ def fetch_repository(fetch: HubFetch, reporter: Reporter, *, workers: int = FETC
             f"{label}: the endpoint {endpoint} answered without a commit or a file list; is it a Hugging Face hub?",
             permanent=True,
         )
+    if not _COMMIT.fullmatch(commit):  # it names the commit's folder on the volume
+        raise PrepareFailed(f"{label}: the endpoint {endpoint} answered with {commit!r}, not a commit (40 lowercase "
+                            "hex digits)", permanent=True)
     if _COMMIT.fullmatch(fetch.revision) and commit != fetch.revision:
         raise PrepareFailed(f"{label}: the endpoint {endpoint} answers that commit with another one, {commit}",
                             permanent=True)
     sizes, limits = _listed_files(label, endpoint, siblings)
     progress = FetchProgress(label, sizes, reporter, limits=limits)
+    check_snapshot_owner(fetch, commit)
+    if _snapshot_complete(fetch, commit):  # a complete commit's files are never touched again: runs read them
+        _record_latest(fetch, commit, reporter)
+        reporter.progress(f"{label}: ready in {_snapshot(fetch, commit)} (commit {commit[:12]}, fetched before)")
+        return commit
     reporter.progress(progress.message())
+    local_dir = _claim_snapshot(fetch, commit)
+    _download_files(fetch, local_dir, commit, progress, token, workers)
     try:
-        local_dir.mkdir(parents=True, exist_ok=True)
+        _record_snapshot(fetch, commit, list(sizes))
     except OSError as exc:
-        raise PrepareFailed(f"{label}: cannot create {local_dir}: {exc}", permanent=True) from exc
+        reporter.note(f"{label}: cannot record the complete fetch in {local_dir}: {exc}")
+    _record_latest(fetch, commit, reporter)
+    reporter.progress(f"{label}: ready in {local_dir} (commit {commit[:12]}, {len(sizes)} files)")
+    return commit
 
-    record = _read_record(local_dir)
-    if record.get("commit") != commit or not isinstance(record.get("files"), list):
-        # Before the first file: the folder is this source's from now on, and (files None) not a complete copy
-        # until every file is here; files of another commit get replaced now.
-        try:
-            _write_record(fetch, local_dir, commit, None)
-        except OSError as exc:
-            raise PrepareFailed(f"{label}: cannot write the fetch record in {local_dir}: {exc}",
-                                permanent=True) from exc
+
+def _download_files(fetch: HubFetch, local_dir: Path, commit: str, progress: FetchProgress, token: str | bool | None,
+                    workers: int) -> None:
+    """Every listed file into local_dir, `workers` at a time; the first failure stops new downloads and is raised
+    (a permanent one first)."""
+    from huggingface_hub import hf_hub_download
+
+    endpoint, sizes = _endpoint(fetch), progress.sizes
 
     def download(name: str) -> None:
         before = _download_metadata(local_dir, name)
@@ -637,20 +745,26 @@ def fetch_repository(fetch: HubFetch, reporter: Reporter, *, workers: int = FETC
         with ThreadPoolExecutor(max_workers=max(1, min(workers, len(sizes))), thread_name_prefix="fetch") as pool:
             futures: dict[Future[None], str] = {pool.submit(download, name): name for name in sizes}
             _, pending = wait(futures, return_when=FIRST_EXCEPTION)
-            for future in pending:  # one failed: start no new file, let those in flight finish (they are kept)
+            # One failed: start no new file, and stop those in flight at their next chunk (what they have is kept
+            # for the next attempt), so the failure is told now, not once the largest file is done.
+            progress.stop()
+            for future in pending:
                 future.cancel()
             wait(futures)
             errors = [(name, error) for f, name in futures.items()
-                      if not f.cancelled() and (error := f.exception()) is not None]
+                      if not f.cancelled() and (error := f.exception()) is not None
+                      and not any(isinstance(cause, DownloadStopped) for cause in _causes(error))]
     if errors:
         failures = [(hub_failure(fetch, exc, name), exc) for name, exc in errors]
         failure, cause = next(((f, e) for f, e in failures if f.permanent), failures[0])
         raise failure from cause
+
+
+def _record_latest(fetch: HubFetch, commit: str, reporter: Reporter) -> None:
     try:
-        _write_record(fetch, local_dir, commit, list(sizes))
+        _record_source(fetch, commit)
     except OSError as exc:
-        reporter.note(f"{label}: cannot record the complete fetch in {local_dir}: {exc}")
-    reporter.progress(f"{label}: ready in {local_dir} (commit {commit[:12]}, {len(sizes)} files)")
+        reporter.note(f"{_label(fetch)}: cannot record the latest complete fetch in {fetch.local_dir}: {exc}")
 
 
 # ----------------------------------------------------------------------------------------------- checks
@@ -738,12 +852,30 @@ def check_sources(cfg: RunConfig, reporter: Reporter) -> PrepareResult:
 
 def prepare(cfg: RunConfig, reporter: Reporter) -> PrepareResult:
     """Inline rewards, fetches, checks; raises PrepareFailed."""
+    check_image(cfg)
     write_inline_rewards(cfg, reporter)
-    for fetch in cfg.sources.fetches:
-        fetch_repository(fetch, reporter)
+    commits = {fetch.local_dir: fetch_repository(fetch, reporter) for fetch in cfg.sources.fetches}
+    if commits:
+        try:
+            cfg.record_fetched_commits(commits)
+        except OSError as exc:
+            raise PrepareFailed(f"cannot record the fetched commits in {cfg.paths.fetched_commits_file}: {exc}",
+                                permanent=True) from exc
     result = check_sources(cfg, reporter)
     warm_fingerprint(result.model_dir, reporter)
     return result
+
+
+def check_image(cfg: RunConfig) -> None:
+    """This image (the trainer's) can run the spec: a run it could not execute fails here, before any server
+    exists, for good (`image_capabilities`)."""
+    from grpo_trainer.errors import UnsupportedSetting
+    from grpo_trainer.image_capabilities import check_trainer_image
+
+    try:
+        check_trainer_image(cfg.spec)
+    except UnsupportedSetting as exc:
+        raise PrepareFailed(str(exc), permanent=True) from exc
 
 
 def warm_fingerprint(model_dir: Path, reporter: Reporter) -> None:

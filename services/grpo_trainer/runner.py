@@ -21,6 +21,7 @@ from grpo_api.fingerprint import model_fingerprint
 from grpo_api.models import Mode, Strategy
 from grpo_api.protocol import ENV_ATTEMPT, HealthResponse, TrainingProgress
 from grpo_api.runconfig import RunConfig, RunConfigError, load_run_config
+from grpo_api.weight_transfer import ENV_WEIGHT_TRANSFER, resolve_weight_transfer
 from grpo_trainer.adapter_io import publish_dtype
 from grpo_trainer.checkpoints import AttemptFence, latest_complete, remove_incomplete
 from grpo_trainer.config import Platform
@@ -191,7 +192,7 @@ def _train(
     main = rank() == 0
     server_mode = spec.mode == Mode.SERVER
     platform = _platform(torch)
-    check_supported(spec, platform)
+    check_supported(spec, platform, resolve_weight_transfer(spec, os.environ.get(ENV_WEIGHT_TRANSFER)))
     check_surface()
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

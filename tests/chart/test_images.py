@@ -31,11 +31,11 @@ REPO = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 VERSION = PYPROJECT["project"]["version"]
 
-#: image -> (grpo subcommand, extras it installs; the server's: ENGINE=vllm, then ENGINE=cpu)
+#: image -> (grpo subcommand, extras it installs; server and trainer: ENGINE=vllm, then ENGINE=cpu)
 IMAGES = {
     "operator": ("operator", [{"operator"}]),
     "server": ("serve", [{"server", "vllm"}, {"server"}]),
-    "trainer": ("train", [{"trainer"}]),
+    "trainer": ("train", [{"trainer", "vllm"}, {"trainer"}]),
 }
 SHARED_START, SHARED_END = "# ---- shared with Dockerfile.", "# ---- end of the shared part ----"
 
@@ -185,11 +185,16 @@ def test_server_and_trainer_share_their_heavy_layers() -> None:
 
 
 def test_heavy_layer_pins_equal_the_extras() -> None:
-    """The shared layer installs torch and the Hugging Face stack at the versions both extras pin."""
+    """The shared layers install torch and the Hugging Face stack, and with ENGINE=vllm vLLM, at the versions
+    the extras pin (the Debian packages Triton needs are apt pins, `name=version`, not checked here)."""
     optional = PYPROJECT["project"]["optional-dependencies"]
-    pinned = set(re.findall(r'"([A-Za-z0-9_.-]+[=<>!~]=?[^"]+)"', "\n".join(shared_part("server"))))
+    shared = "\n".join(shared_part("server"))
+    pinned = set(re.findall(r'pip install ((?:"[^"]+"\s*)+)', shared.replace("\\\n", " ")))
+    pinned = {r for group in pinned for r in re.findall(r'"([^"]+)"', group)}
     pinned.discard("pip==26.3")
     assert pinned, "the shared part installs nothing"
+    assert "vllm==0.26.0" in pinned and "vllm==0.26.0" in optional["vllm"]
+    pinned.discard("vllm==0.26.0")
     for requirement in pinned:
         assert requirement in optional["server"], f"{requirement} is not pinned so in the server extra"
         name = requirement_name(requirement)
@@ -305,13 +310,13 @@ def run_dependency_layer(image: str, workdir: Path, engine: str | None = None) -
     return result.returncode, result.stderr, given
 
 
-@pytest.mark.parametrize(("image", "engine"), [("operator", None), ("trainer", None), ("server", "vllm"),
-                                               ("server", "cpu")])
+@pytest.mark.parametrize(("image", "engine"), [("operator", None), ("trainer", "vllm"), ("trainer", "cpu"),
+                                               ("server", "vllm"), ("server", "cpu")])
 def test_dependency_layer_installs_exactly_what_pyproject_pins_for_the_extras(image: str, engine: str | None,
                                                                             tmp_path: Path) -> None:
-    extras = {"operator": ["operator"], "trainer": ["trainer"], "server": ["server", "vllm"]}[image]
+    extras = {"operator": ["operator"], "trainer": ["trainer", "vllm"], "server": ["server", "vllm"]}[image]
     if engine == "cpu":
-        extras = ["server"]
+        extras = extras[:1]
     project = PYPROJECT["project"]
     expected = list(project["dependencies"]) + [r for e in extras for r in project["optional-dependencies"][e]]
     status, stderr, given = run_dependency_layer(image, tmp_path, engine)
@@ -320,8 +325,9 @@ def test_dependency_layer_installs_exactly_what_pyproject_pins_for_the_extras(im
     assert not (tmp_path / "requirements.txt").exists(), "the requirements file is left in the layer"
 
 
-def test_server_dependency_layer_refuses_an_unknown_engine(tmp_path: Path) -> None:
-    status, stderr, given = run_dependency_layer("server", tmp_path, "tpu")
+@pytest.mark.parametrize("image", ["server", "trainer"])
+def test_dependency_layer_refuses_an_unknown_engine(image: str, tmp_path: Path) -> None:
+    status, stderr, given = run_dependency_layer(image, tmp_path, "tpu")
     assert status != 0 and "ENGINE must be vllm or cpu, not 'tpu'" in stderr and not given
 
 

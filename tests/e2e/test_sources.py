@@ -27,11 +27,9 @@ def pod_spec(node: Node, run: str, component: str) -> dict:
     return pod["spec"]
 
 
-def test_a_missing_reward_function_fails_the_run_before_any_server(node: Node, staged: str) -> None:
-    run = "bad-reward"
-    spec = example_run(node, run, maxSteps=4)
-    spec["spec"]["rewards"] = [{"function": "target_tokens:no_such_function"}]
-    node.apply(spec)
+def fails_before_any_server(node: Node, run: str) -> dict:
+    """The status of `run` once Failed, checking on the way that it never went past its sources; then that no
+    server or trainer was made and the initializer ran once and said exit code 2 (not retried)."""
 
     def failed() -> dict | None:
         status = (node.get("grporun", run) or {}).get("status") or {}
@@ -40,16 +38,64 @@ def test_a_missing_reward_function_fails_the_run_before_any_server(node: Node, s
         return status if status.get("phase") == "Failed" else None
 
     status = wait_for(failed, 300, what=f"{run} to fail on its sources", interval=2.0)
-    assert status["reason"] == "SourceUnavailable", status
-    assert "no_such_function" in status["message"] and "target_tokens" in status["message"], status["message"]
-    assert node.get("deployment", f"{run}-server") is None, "a server was started for a run with bad sources"
+    assert node.get("deployment", f"{run}-server") is None, "a server was started for a run that cannot run"
     assert not node.list("job", f"grpo.dev/run={run},grpo.dev/component=trainer")
     pods = node.list("pod", f"grpo.dev/run={run},grpo.dev/component=initializer")
     assert len(pods) == 1, "a configuration error is not retried"
     (terminated,) = [c["state"]["terminated"] for c in pods[0]["status"]["containerStatuses"]]
     assert terminated["exitCode"] == 2, terminated
+    return status
+
+
+def test_a_missing_reward_function_fails_the_run_before_any_server(node: Node, staged: str) -> None:
+    run = "bad-reward"
+    spec = example_run(node, run, maxSteps=4)
+    spec["spec"]["rewards"] = [{"function": "target_tokens:no_such_function"}]
+    node.apply(spec)
+    status = fails_before_any_server(node, run)
+    assert status["reason"] == "SourceUnavailable", status
+    assert "no_such_function" in status["message"] and "target_tokens" in status["message"], status["message"]
     events = [e["reason"] for e in node.list("events", "", NAMESPACE) if e["involvedObject"].get("name") == run]
     assert "SourceUnavailable" in events, events
+
+
+def test_a_run_the_trainer_image_cannot_execute_fails_before_any_server(node: Node, staged: str) -> None:
+    """The trainer image here is the CPU variant (ENGINE=cpu, no vLLM). LoRA merged into the weights of a vllm
+    server goes over nccl between pods, whose trainer side is vLLM's: the initializer, in that image, refuses
+    the run naming spec.trainer.image, before any (GPU) server pod exists, and it is not retried (issue 29)."""
+    run = "needs-vllm"
+    spec = example_run(node, run, maxSteps=4)
+    spec["spec"]["server"]["engine"] = "vllm"
+    spec["spec"]["trainer"]["sync"] = "merged"
+    node.apply(spec)
+    status = fails_before_any_server(node, run)
+    message = status["message"]
+    assert message.startswith("the initializer failed: spec.trainer.image: spec.trainer.sync merged sends the "
+                              "weights to the vllm server over nccl"), message
+    assert "has no vLLM" in message and "ENGINE=vllm" in message, message
+
+
+def test_a_server_image_that_cannot_run_its_engine_fails_the_run_at_once(node: Node, staged: str) -> None:
+    """The server image here is the CPU variant (no vLLM); `server.engine: vllm` makes its container exit with
+    code 2 in its own words (its termination message). The operator reads that from the crash-looping pod and
+    fails the run as InvalidSpec at once: no serverReadyTimeoutSeconds wait, no other attempt, no trainer."""
+    run = "server-no-vllm"
+    spec = example_run(node, run, maxSteps=4)
+    spec["spec"]["server"]["engine"] = "vllm"
+    spec["spec"]["runPolicy"] = {**spec["spec"].get("runPolicy", {}), "backoffLimit": 2,
+                                 "serverReadyTimeoutSeconds": 900}
+    node.apply(spec)
+
+    def failed() -> dict | None:
+        status = (node.get("grporun", run) or {}).get("status") or {}
+        if status.get("phase") in ("Training", "Succeeded"):
+            raise AssertionError(f"the run went past its server: {status}\n{describe(node, run)}")
+        return status if status.get("phase") == "Failed" else None
+
+    status = wait_for(failed, 300, what=f"{run} to fail on its server", interval=2.0)
+    assert (status["reason"], status["attempt"]) == ("InvalidSpec", 1), status
+    assert "spec.server.engine vllm: this image has no vLLM" in status["message"], status["message"]
+    assert not node.list("job", f"grpo.dev/run={run},grpo.dev/component=trainer")
 
 
 def test_a_missing_configmap_or_claim_fails_the_run_naming_it(node: Node, staged: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -246,6 +247,56 @@ def test_a_missing_reward_function_fails_the_run_before_any_server(
     assert (status["phase"], status["reason"]) == ("Failed", "SourceUnavailable"), status
     assert "no_such_function" in status["message"] and "exit code" not in status["message"], status["message"]
     assert [c["role"] for c in children(run_dir)] == ["initializer"], children(run_dir)
+
+
+def test_a_run_the_trainer_image_cannot_execute_fails_before_any_server(
+    tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path
+) -> None:
+    """Full fine-tuning that sends weights over nccl needs vLLM beside the trainer (its NCCL weight transfer),
+    which this environment lacks, as a CPU trainer image does: the initializer refuses the run, naming
+    spec.trainer.image and what the spec asks for, and no server process is ever started (issue 29)."""
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: this environment can run the spec")
+    path = run_file(tmp_path, tiny_model_dir, tiny_dataset)
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["trainer"]["tuning"] = "full"
+    doc["spec"]["server"] = {**doc["spec"].get("server", {}), "engine": "vllm", "weightTransfer": "nccl"}
+    path.write_text(yaml.safe_dump(doc))
+    run_dir = tmp_path / "run"
+    proc = grpo_run(path, run_dir)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0, out
+    status = json.loads((run_dir / "status.json").read_text())["status"]
+    assert status["phase"] == "Failed", status
+    assert "spec.trainer.image: spec.trainer.tuning full sends the weights to the vllm server over nccl" in (
+        status["message"]), status["message"]
+    assert "has no vLLM" in status["message"] and "ENGINE=vllm" in status["message"], status["message"]
+    assert [c["role"] for c in children(run_dir)] == ["initializer"], children(run_dir)
+
+
+def test_a_server_that_cannot_run_its_engine_fails_the_run_at_once_without_a_retry(
+    tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path
+) -> None:
+    """`server.engine: vllm` where vLLM is not installed: the server exits with code 2 in its own words, and the
+    run fails as InvalidSpec at once, not after serverReadyTimeoutSeconds, with no other attempt and no trainer
+    (a missing capability is permanent; issue 29)."""
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: the engine may start")
+    path = run_file(tmp_path, tiny_model_dir, tiny_dataset)
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["server"] = {**doc["spec"].get("server", {}), "engine": "vllm"}
+    doc["spec"]["runPolicy"] = {**doc["spec"].get("runPolicy", {}), "backoffLimit": 3, "serverReadyTimeoutSeconds": 600}
+    path.write_text(yaml.safe_dump(doc))
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    proc = grpo_run(path, run_dir)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0, out
+    assert time.monotonic() - started < 240, "the run waited for serverReadyTimeoutSeconds"
+    status = json.loads((run_dir / "status.json").read_text())["status"]
+    assert (status["phase"], status["reason"], status["attempt"]) == ("Failed", "InvalidSpec", 1), status
+    assert "spec.server.engine vllm: this image has no vLLM" in status["message"], status["message"]
+    assert [c["role"] for c in children(run_dir)] == ["initializer", "server"], children(run_dir)
 
 
 def test_an_empty_dataset_fails_the_run_before_any_server_saying_it_is_empty(

@@ -213,6 +213,21 @@ def test_server_trouble_names_the_current_attempts_pod_or_its_deployment() -> No
         'deployment r-server: FailedCreate: pods "r-server-x" is forbidden: exceeded quota: gpu')
 
 
+def test_a_crash_looping_server_that_exited_with_the_invalid_spec_code_is_read_from_its_last_state() -> None:
+    """A server container restarts (the Deployment's pods restart always): after exit code 2 it waits in
+    CrashLoopBackOff and its exit, with its termination message, is in lastState; exit code 1 is no verdict."""
+    said = "the server cannot run: EngineUnavailable: spec.server.engine vllm needs a CUDA GPU"
+    looping = {"containerStatuses": [{
+        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 10s"}},
+        "lastState": {"terminated": {"exitCode": 2, "reason": "Error", "message": said + "\n"}}}]}
+    crashed = {"containerStatuses": [{"state": {"terminated": {"exitCode": 1, "reason": "Error", "message": "boom"}}}]}
+    snap = children.snapshot("", [server_pod(1, crashed), server_pod(2, looping)], [], [])
+    assert snap.server_said_invalid_spec(2) == said
+    assert snap.server_said_invalid_spec(1) is None
+    assert snap.server_said_invalid_spec(3) is None
+    assert children.pod_info({"metadata": {"name": "p"}, "status": looping}).exit_code == 2
+
+
 def series(name: str, **labels: str) -> float | None:
     value: float | None = REGISTRY.get_sample_value(name, labels)
     return value

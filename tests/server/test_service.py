@@ -118,3 +118,17 @@ def test_the_transformers_path_never_imports_vllm():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_the_vllm_engine_without_vllm_or_a_gpu_says_which_is_missing_and_names_the_field(tmp_path: Path):
+    """`grpo serve --engine vllm` where it cannot run stops before the engine starts, saying why in a line a
+    person can act on (the GPU image's smoke test sees the same without a GPU: hack/gpu-image-smoke.sh)."""
+    import importlib.util
+
+    from grpo_server.engines import EngineUnavailable, create_engine
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    refusal = r"^spec.server.engine vllm: this image has no vLLM .* engine transformers"
+    with pytest.raises(EngineUnavailable, match=refusal):
+        create_engine("vllm", tmp_path, "m", ServerSpec(), tokenizer=None)  # type: ignore[arg-type]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,3 +31,35 @@ def dataset_file(tmp_path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text('{"prompt": "1+1="}\n{"prompt": "2+2="}\n')
     return path
+
+
+@pytest.fixture
+def swap_for_link_when_read(monkeypatch: pytest.MonkeyPatch) -> Callable[[Path, Path], list[Path]]:
+    """swap(directory, target): the first time grpo stage opens or lists `directory` (os.open, os.scandir or
+    os.listdir naming it, by path or by name beside a descriptor), it is first moved away and a symbolic link to
+    `target` put in its place: the race between listing a directory and reading it, made to happen every time.
+    The reads are real; the list returned holds the directory once it was swapped."""
+    swapped: list[Path] = []
+    watched: list[tuple[Path, Path]] = []
+
+    def hook(real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if not isinstance(path, int):
+                name = os.fsdecode(os.fspath(path))
+                for directory, target in watched:
+                    if directory not in swapped and (name == str(directory) or name == directory.name):
+                        directory.rename(directory.with_name(directory.name + ".moved"))
+                        directory.symlink_to(target, target_is_directory=True)
+                        swapped.append(directory)
+            return real(path, *args, **kwargs)
+
+        return call
+
+    for function in ("open", "scandir", "listdir"):
+        monkeypatch.setattr(os, function, hook(getattr(os, function)))
+
+    def swap(directory: Path, target: Path) -> list[Path]:
+        watched.append((directory, target))
+        return swapped
+
+    return swap

@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +131,20 @@ def test_collect_files_dereference_reads_what_the_link_points_to(files: Path, se
     got = cm.collect_files(sources(str(files)), dereference=True)
     assert [f.key for f in got] == ["my_rewards.py", "notes.txt", "prompts.jsonl", "table.bin"]
     assert cm.read_payload(got).data["notes.txt"] == secret.read_text()
+
+
+def test_collect_files_refuses_a_src_directory_swapped_for_a_link_before_it_is_listed(
+    files: Path, secret: Path, swap_for_link_when_read: Callable[[Path, Path], list[Path]],
+) -> None:
+    """The SRC directory passes as a directory, then becomes a link to ~/.ssh before its files are listed: nothing
+    there is listed or read."""
+    (secret.parent / "prompts.jsonl").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    swapped = swap_for_link_when_read(files, secret.parent)
+
+    with pytest.raises(StageError, match=rf"cannot read directory {files} \(did it become a symbolic link\?\)"):
+        cm.read_payload(cm.collect_files(sources(str(files))))
+
+    assert swapped == [files]
 
 
 @pytest.mark.parametrize("swap", ["link", "file"])

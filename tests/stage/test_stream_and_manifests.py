@@ -7,7 +7,9 @@ import dataclasses
 import hashlib
 import io
 import json
+import os
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -112,6 +114,42 @@ def test_stream_refuses_a_file_swapped_after_it_was_listed(model_dir: Path, tmp_
     with pytest.raises(StageError, match=message):
         write_tar(entries, sink)
     assert b"PRIVATE KEY" not in sink.data
+
+
+def test_a_directory_swapped_for_a_link_while_it_is_listed_is_refused_and_nothing_beyond_it_is_read(
+    model_dir: Path, tmp_path: Path, swap_for_link_when_read: Callable[[Path, Path], list[Path]],
+) -> None:
+    """tokenizer/ is listed as a directory, then swapped for a link to ~/.ssh before its files are listed: the walk
+    must not list or send what the link leads to."""
+    private = tmp_path / "home" / ".ssh"
+    private.mkdir(parents=True)
+    (private / "id_ed25519").write_bytes(b"PRIVATE KEY")
+    swapped = swap_for_link_when_read(model_dir / "tokenizer", private)
+    sink = ChunkSink()
+
+    with pytest.raises(StageError, match=r"/my-model/tokenizer is no longer the directory that was listed \(swapped "
+                                         r"for a symbolic link to .*/home/\.ssh\?\)"):
+        write_tar(collect([Mapping(model_dir, "m")]), sink)
+
+    assert swapped == [model_dir / "tokenizer"]
+    assert b"PRIVATE KEY" not in sink.data
+
+
+def test_stream_reads_nothing_through_a_directory_swapped_for_a_link_after_it_was_listed(
+    model_dir: Path, tmp_path: Path,
+) -> None:
+    """After the listing, tokenizer/ becomes a link to a folder elsewhere that holds the very file listed (a hard
+    link): the read goes through no link beneath the folder, so it is refused rather than read from there."""
+    entries = collect([Mapping(model_dir, "m")])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.link(model_dir / "tokenizer" / "tokenizer.json", elsewhere / "tokenizer.json")
+    (model_dir / "tokenizer").rename(tmp_path / "tokenizer.moved")
+    (model_dir / "tokenizer").symlink_to(elsewhere, target_is_directory=True)
+
+    with pytest.raises(StageError, match=r"/my-model/tokenizer became a symbolic link \(to .*/elsewhere\) while "
+                                         r"grpo stage ran: .*-L/--dereference"):
+        write_tar(entries, ChunkSink())
 
 
 def test_progress_lines_every_ten_percent() -> None:

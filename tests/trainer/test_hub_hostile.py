@@ -4,9 +4,11 @@ local HTTP server (tests/fixtures/hub.py's FakeHub, with the hostile answers add
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +17,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from grpo_api.sources import HubFetch
+from grpo_api.sources import HubFetch, hub_snapshot_dir
 from grpo_trainer import prepare
 from grpo_trainer.prepare import PrepareFailed, Reporter, fetch_repository
 from tests.fixtures.hub import FakeHub, Repo, Request, etag_of, make_handler, running_hub
@@ -48,6 +50,8 @@ class HostileHub(FakeHub):
     oversize: dict[str, tuple[int, bool]] = field(default_factory=dict)  # file -> (bytes a GET sends, chunked)
     sent: dict[str, int] = field(default_factory=dict)  # file -> bytes the oversized GET got out
     hang_api: threading.Event | None = None  # set: API calls get no answer until it is set
+    slow: dict[str, float] = field(default_factory=dict)  # file -> seconds per MiB its GET takes
+    drip_api: float | None = None  # seconds between the bytes of an API answer
 
 
 def hostile_handler(hub: HostileHub) -> type:
@@ -63,7 +67,8 @@ def hostile_handler(hub: HostileHub) -> type:
             raw = urlsplit(self.path).path
             for asked, answered in hub.aliases.items():
                 self.path = self.path.replace(f"/revision/{asked}", f"/revision/{answered}")
-            if raw.startswith("/api/") and (hub.hang_api is not None or hub.listing is not None or hub.sha):
+            if raw.startswith("/api/") and (hub.hang_api is not None or hub.listing is not None or hub.sha
+                                            or hub.drip_api is not None):
                 with hub.lock:
                     hub.requests.append(Request(self.command, raw, self.headers.get("Authorization"), None))
                 if hub.hang_api is not None:
@@ -74,6 +79,8 @@ def hostile_handler(hub: HostileHub) -> type:
                 siblings = hub.listing if hub.listing is not None else [
                     {"rfilename": name, "size": len(data)} for name, data in repo.files.items()]
                 body = json.dumps({"id": repo.repo_id, "sha": hub.sha or repo.commit, "siblings": siblings})
+                if hub.drip_api is not None:
+                    return self._drip(body.encode() + b" " * 100, hub.drip_api)
                 return self._send(200, body.encode(), {"Content-Type": "application/json"})
             super()._handle()
 
@@ -90,7 +97,42 @@ def hostile_handler(hub: HostileHub) -> type:
                     return self._send(302, b"", {"Location": hub.redirect_head[name]})
             elif name in hub.oversize:
                 return self._oversized(repo, name, *hub.oversize[name])
+            elif name in hub.slow and not self.headers.get("Range"):
+                return self._slowly(repo, name, hub.slow[name])
             return super()._file(repo, name)
+
+        def _drip(self, body: bytes, seconds: float) -> None:
+            """The whole answer announced, then a byte every `seconds`: each read is quick, the answer never ends."""
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            try:
+                for i in range(len(body)):
+                    self.wfile.write(body[i:i + 1])
+                    self.wfile.flush()
+                    time.sleep(seconds)
+            except OSError:  # the client hung up
+                pass
+            self.close_connection = True
+
+        def _slowly(self, repo: Repo, name: str, seconds_per_mib: float) -> None:
+            """The file's bytes, a MiB every `seconds_per_mib` (a large file on a slow link)."""
+            data = repo.files[name]
+            self.send_response(200)
+            for key, value in {"ETag": f'"{etag_of(data)}"', "X-Repo-Commit": repo.commit,
+                               "Content-Length": str(len(data)), "Accept-Ranges": "bytes"}.items():
+                self.send_header(key, value)
+            self.end_headers()
+            try:
+                for start in range(0, len(data), MiB):
+                    self.wfile.write(data[start:start + MiB])
+                    with hub.lock:
+                        hub.sent[name] = start + MiB
+                    time.sleep(seconds_per_mib)
+            except OSError:  # the client hung up
+                pass
+            self.close_connection = True
 
         def _oversized(self, repo: Repo, name: str, total: int, chunked: bool) -> None:
             """A GET that sends `total` bytes of a file the listing and the HEAD announce far smaller."""
@@ -139,6 +181,10 @@ def other_host() -> Iterator[FakeHub]:
 def hub_fetch(hub: FakeHub, tmp_path: Path, *, repo: str = "org/m", revision: str = "main") -> HubFetch:
     return HubFetch(field="spec.model.source", repo_id=repo, revision=revision, repo_type="model",
                     local_dir=str(tmp_path / "hub" / repo / revision), token_env=TOKEN_ENV, endpoint=hub.url)
+
+
+def commit_dir(target: HubFetch, commit: str) -> Path:
+    return Path(hub_snapshot_dir(target.local_dir, commit))
 
 
 def fetch(target: HubFetch) -> Reporter:
@@ -257,7 +303,7 @@ def test_a_body_larger_than_the_file_list_announces_is_cut_off(
 ) -> None:
     """The file list is the hub's word on each size: a model of hundreds of GB is announced as such; a file that
     goes on past its announced size must not fill the volume (which the runs of the claim share)."""
-    hub.add("org/m", FILES)
+    repo = hub.add("org/m", FILES)
     hub.oversize["weights.bin"] = (64 * MiB, chunked)
     target = hub_fetch(hub, tmp_path)
 
@@ -266,39 +312,39 @@ def test_a_body_larger_than_the_file_list_announces_is_cut_off(
     assert failed.permanent, failed
     assert "weights.bin: " in str(failed) and "4096 bytes" in str(failed)
     assert hub.sent.get("weights.bin", 0) < 48 * MiB  # the client hung up, long before the end
-    assert not (Path(target.local_dir) / "weights.bin").exists()
-    assert (Path(target.local_dir) / "config.json").read_bytes() == FILES["config.json"]
+    assert not (commit_dir(target, repo.commit) / "weights.bin").exists()
+    config = commit_dir(target, repo.commit) / "config.json"  # stopped in flight or done: never partly in place
+    assert not config.exists() or config.read_bytes() == FILES["config.json"]
 
 
 # ---------------------------------------------------------------------------------------------------- commits
 
 
-def test_a_file_the_endpoint_does_not_confirm_at_the_new_commit_is_not_taken_from_the_old_copy(
+def test_a_moved_branch_takes_no_file_from_the_old_commits_folder_and_leaves_it_as_it_was(
     hub: HostileHub, tmp_path: Path,
 ) -> None:
-    """A branch moved; the HEAD of a changed file fails: huggingface_hub then falls back to the file on disk (the
-    old commit's), which must not pass for the new commit's."""
-    hub.add("org/m", FILES)
+    """A branch moved; the HEAD of a changed file fails: huggingface_hub falls back to a file on disk when the
+    endpoint does not answer for it. The new commit has a folder of its own, so there is none to fall back to, and
+    the old commit's folder, which a run may be serving, is not touched."""
+    old_commit = hub.add("org/m", FILES).commit
     target = hub_fetch(hub, tmp_path)
     fetch(target)
+    old_files = local_files(target, old_commit)
     moved = {**FILES, "config.json": b'{"model_type": "y"}'}
     new_commit = hub.add("org/m", moved).commit
     hub.fail_head["config.json"] = 1
-    record = Path(target.local_dir) / ".cache" / "grpo-fetch.json"
 
-    failed = failure(target)
+    with contextlib.suppress(PrepareFailed):
+        fetch(target)  # huggingface_hub may retry the HEAD; a failure here is the transient kind
+    fetch(target)
 
-    assert not failed.permanent, failed
-    assert "config.json: " in str(failed) and new_commit[:12] in str(failed)
-    assert json.loads(record.read_text())["files"] is None  # no longer a complete copy
-    assert prepare.complete_copy(target) is None
-    fetch(target)  # the next attempt gets it
-    assert (Path(target.local_dir) / "config.json").read_bytes() == moved["config.json"]
-    assert json.loads(record.read_text())["commit"] == new_commit
+    assert (commit_dir(target, new_commit) / "config.json").read_bytes() == moved["config.json"]
+    assert prepare.complete_copy(target) == new_commit
+    assert local_files(target, old_commit) == old_files
 
 
-def local_files(target: HubFetch) -> dict[str, bytes]:
-    root = Path(target.local_dir)
+def local_files(target: HubFetch, commit: str | None = None) -> dict[str, bytes]:
+    root = commit_dir(target, commit) if commit else Path(target.local_dir)
     return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
@@ -318,7 +364,7 @@ def test_a_folder_recorded_for_another_source_is_refused_not_fetched_over(
         hub.fail_get["weights.bin"] = 100
         assert not failure(first).permanent
     before = local_files(first)
-    assert json.loads(before[".cache/grpo-fetch.json"])["repoId"] == "org/m"
+    assert json.loads(before[".cache/grpo-source.json"])["repoId"] == "org/m"
     hub.add(repo, {"config.json": b'{"model_type": "other"}', "weights.bin": b"o" * 4096})
     hub.requests.clear()
     second = first.model_copy(update={"repo_id": repo, "revision": revision})
@@ -341,7 +387,8 @@ def test_a_file_served_at_another_commit_than_resolved_is_refused(hub: HostileHu
 
     assert failed.permanent, failed
     assert "weights.bin: " in str(failed) and "e" * 12 in str(failed) and repo.commit[:12] in str(failed)
-    assert json.loads((Path(target.local_dir) / ".cache" / "grpo-fetch.json").read_text())["files"] is None
+    record = commit_dir(target, repo.commit) / ".cache" / "grpo-fetch.json"
+    assert json.loads(record.read_text())["files"] is None
     assert prepare.complete_copy(target) is None
 
 
@@ -358,6 +405,31 @@ def test_a_pinned_commit_resolved_to_another_commit_is_refused(hub: HostileHub, 
 
 
 # ---------------------------------------------------------------------------------------------------- silence
+
+
+def test_a_failed_file_stops_the_downloads_in_flight_instead_of_waiting_for_the_largest(
+    hub: HostileHub, tmp_path: Path,
+) -> None:
+    """One listed file is missing on the endpoint (permanent) while a 96 MiB file comes at 10 MiB/s: the failure is
+    told within about a chunk of the large file (huggingface_hub writes 10 MB at a time), not after its 10 s; the
+    next attempt fetches it whole."""
+    big = bytes(range(256)) * (96 * MiB // 256)
+    repo = hub.add("org/m", {"big.bin": big, "config.json": b"{}"})
+    hub.listing = [{"rfilename": "big.bin", "size": len(big)}, {"rfilename": "missing.bin", "size": 1},
+                   {"rfilename": "config.json", "size": 2}]
+    hub.slow["big.bin"] = 0.1
+    target = hub_fetch(hub, tmp_path)
+
+    started = time.monotonic()
+    failed = failure(target)
+    elapsed = time.monotonic() - started
+
+    assert failed.permanent and "missing.bin: a file the repository lists is missing" in str(failed), failed
+    assert elapsed < 5, f"the failure waited {elapsed:.1f} s for the large file"
+    assert hub.sent["big.bin"] < len(big)
+    hub.listing, hub.slow = None, {}
+    fetch(target)
+    assert (commit_dir(target, repo.commit) / "big.bin").read_bytes() == big
 
 
 def test_an_endpoint_that_never_answers_the_file_list_is_transient_not_a_hang(
@@ -383,3 +455,32 @@ def test_an_endpoint_that_never_answers_the_file_list_is_transient_not_a_hang(
     assert len(outcome) == 1 and isinstance(outcome[0], PrepareFailed), outcome
     assert not outcome[0].permanent
     assert "timed out" in str(outcome[0])
+
+
+def test_a_file_list_that_trickles_in_is_transient_within_the_deadline_not_a_hang(
+    hub: HostileHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A byte of the file list every 0.2 s: no read waits past the 1 s read timeout, yet the answer would take half a
+    minute; the call as a whole is bounded (HUB_API_DEADLINE_S)."""
+    hub.add("org/m", FILES)
+    hub.drip_api = 0.2
+    monkeypatch.setattr(prepare, "HUB_API_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(prepare, "HUB_API_DEADLINE_S", 2.0, raising=False)  # absent before the fix
+    outcome: list[BaseException] = []
+
+    def attempt() -> None:
+        try:
+            fetch(hub_fetch(hub, tmp_path))
+        except BaseException as exc:  # handed to the test thread
+            outcome.append(exc)
+
+    started = time.monotonic()
+    worker = threading.Thread(target=attempt, daemon=True)
+    worker.start()
+    worker.join(15)
+
+    assert not worker.is_alive(), "the fetch waits as long as the endpoint trickles"
+    assert time.monotonic() - started < 8
+    assert len(outcome) == 1 and isinstance(outcome[0], PrepareFailed), outcome
+    assert not outcome[0].permanent
+    assert "timed out (the file list did not arrive within 2 s)" in str(outcome[0])

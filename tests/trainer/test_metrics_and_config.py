@@ -93,8 +93,62 @@ def test_fsdp_is_fsdp2_through_accelerate_with_activation_checkpointing_for_grad
 def test_colocate_without_gpu_and_qlora_without_bitsandbytes_are_refused_clearly():
     colocate = GRPORunSpec.model_validate({**spec().model_dump(by_alias=True, exclude={"server"}),
                                            "mode": "colocate", "server": None})
-    with pytest.raises(UnsupportedSetting, match=r"spec.mode colocate .* needs a CUDA GPU and vLLM"):
+    with pytest.raises(UnsupportedSetting, match=r"spec.trainer.image: spec.mode colocate .* has no vLLM"):
         check_supported(colocate, CPU)
+    with pytest.raises(UnsupportedSetting, match=r"spec.mode colocate .* needs a CUDA GPU"):
+        check_supported(colocate, Platform(cuda=False, bf16=False, vllm=True, bitsandbytes=False))
     with pytest.raises(UnsupportedSetting, match="quantizeBase"):
         check_supported(spec(lora={"quantizeBase": True}), CPU)
     check_supported(spec(), CPU)
+
+
+def full_spec(server: dict | None = None, **trainer) -> GRPORunSpec:
+    return GRPORunSpec.model_validate({**spec(**trainer).model_dump(by_alias=True, exclude={"server"}),
+                                       "server": server or {}})
+
+
+@pytest.mark.parametrize(("run", "auto", "needs"), [
+    (full_spec(tuning="full"), None, True),  # a cluster: auto is nccl, and the default server asks for a GPU
+    (full_spec(tuning="full"), "ipc", False),  # `grpo run`: one GPU, CUDA IPC needs no vLLM in the trainer
+    (full_spec(sync="merged"), None, True),
+    (full_spec({"weightTransfer": "ipc"}, tuning="full"), None, False),
+    (full_spec({"engine": "transformers"}, tuning="full"), None, False),  # the transformers engine takes gloo
+    (full_spec({"resources": {"limits": {"cpu": "2"}}}, tuning="full"), None, False),  # auto without a GPU
+    (full_spec({"engine": "vllm", "resources": {"limits": {"cpu": "2"}}}, tuning="full"), None, True),
+    (full_spec({"weightTransfer": "nccl"}, tuning="full"), "ipc", True),
+    (full_spec(), None, False),  # LoRA adapters travel as files
+])
+def test_which_runs_need_vllm_in_the_trainer_image(run: GRPORunSpec, auto: str | None, needs: bool):
+    from grpo_api.weight_transfer import resolve_weight_transfer
+    from grpo_trainer.config import vllm_needed_for
+
+    reason = vllm_needed_for(run, resolve_weight_transfer(run, auto))
+    assert (reason is not None) == needs, reason
+    if needs:
+        with pytest.raises(UnsupportedSetting, match=r"^spec.trainer.image: spec.trainer.(tuning full|sync merged) "
+                                                     r"sends the weights .* over nccl .* has no vLLM"):
+            check_supported(run, GPU, resolve_weight_transfer(run, auto))
+    else:
+        check_supported(run, GPU, resolve_weight_transfer(run, auto))
+
+
+def test_the_image_check_imports_vllm_as_the_trainer_would(monkeypatch: pytest.MonkeyPatch):
+    """This environment has no vLLM (the dev extra leaves it out): the initializer's check refuses a run that
+    needs it, names the field and the import that failed, and lets every other run through."""
+    import importlib.util
+
+    from grpo_trainer.image_capabilities import check_trainer_image
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: the refusal cannot be seen")
+    monkeypatch.delenv("GRPO_WEIGHT_TRANSFER", raising=False)
+    with pytest.raises(UnsupportedSetting) as refused:
+        check_trainer_image(full_spec(tuning="full"))
+    message = str(refused.value)
+    assert message.startswith("spec.trainer.image: spec.trainer.tuning full sends the weights"), message
+    assert "import vllm.distributed.weight_transfer.nccl_engine: ModuleNotFoundError" in message, message
+    assert "ENGINE=vllm" in message and "spec.server.weightTransfer ipc" in message, message
+    check_trainer_image(full_spec(tuning="full"), "ipc")
+    monkeypatch.setenv("GRPO_WEIGHT_TRANSFER", "ipc")
+    check_trainer_image(full_spec(tuning="full"))
+    check_trainer_image(full_spec())

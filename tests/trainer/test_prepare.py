@@ -26,8 +26,8 @@ from grpo_api.prepare_protocol import (
     latest_progress,
     parse_event,
 )
-from grpo_api.runconfig import RunConfig, run_config_for
-from grpo_api.sources import DATASET_TOKEN_ENV, MODEL_TOKEN_ENV, ResolvedSources, local_sources
+from grpo_api.runconfig import RunConfig, RunConfigError, load_run_config, run_config_for
+from grpo_api.sources import DATASET_TOKEN_ENV, MODEL_TOKEN_ENV, ResolvedSources, hub_snapshot_dir, local_sources
 from grpo_cli.main import cli
 from grpo_trainer.prepare import FetchProgress, PrepareFailed, Reporter, write_inline_rewards
 from tests.fixtures.hub import FakeHub, repo_files, running_hub
@@ -112,9 +112,14 @@ def local_sources_of(run_file: Path) -> ResolvedSources:
 
 
 def local_model_dir(run_file: Path) -> Path:
-    model_dir = local_sources_of(run_file).model_dir
-    assert model_dir is not None
-    return Path(model_dir)
+    """The model directory the run's server and trainer read: the folder of the commit its initializer fetched."""
+    return load_run_config(run_file).model_dir()
+
+
+def commit_dir(run_file: Path, commit: str) -> Path:
+    """The folder of one commit of the run's hf:// model."""
+    (fetch,) = local_sources_of(run_file).fetches
+    return Path(hub_snapshot_dir(fetch.local_dir, commit))
 
 
 def write_config(tmp_path: Path, spec: dict[str, Any], sources: ResolvedSources) -> Path:
@@ -192,11 +197,11 @@ def test_an_interrupted_fetch_is_transient_and_the_next_run_fetches_only_what_is
     hub: FakeHub, tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, termination_log: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    hub.add("org/tiny", repo_files(tiny_model_dir))
+    repo = hub.add("org/tiny", repo_files(tiny_model_dir))
     hub.fail_get["model.safetensors"] = 1
     monkeypatch.setenv(MODEL_TOKEN_ENV, TOKEN)
     run_file = hub_run_file(tmp_path, hub.url, tiny_dataset)
-    local = local_model_dir(run_file)
+    local = commit_dir(run_file, repo.commit)
 
     first = invoke(run_file)
 
@@ -345,30 +350,104 @@ def test_a_listed_file_outside_the_repository_is_refused(
     assert hub.file_requests() == []
 
 
-def test_a_moved_branch_is_fetched_again_and_the_old_copy_is_no_longer_on_record(
+def claim_run_config(tmp_path: Path, name: str, endpoint: str, dataset: Path) -> Path:
+    """The run-config of run NAME whose model is hf://org/tiny@main, on a volume every such run shares (a claim)."""
+    run = GRPORun.model_validate({"metadata": {"name": name}, "spec": {
+        "model": {"name": "tiny", "source": "hf://org/tiny@main",
+                  "hub": {"endpoint": endpoint, "tokenSecretRef": {"name": "hf", "key": "token"}}},
+        "dataset": {"path": str(dataset)},
+        "rewards": [{"function": "exact_match"}],
+    }})
+    volume = tmp_path / "claim"
+    cfg = run_config_for(run, volume_root=volume, server_url="http://127.0.0.1:1", token_file=None,
+                         base_dir=tmp_path, sources=local_sources(run.spec, volume))
+    path = tmp_path / f"{name}-run-config.yaml"
+    path.write_text(cfg.to_yaml())
+    return path
+
+
+def file_states(directory: Path) -> dict[str, tuple[bytes, int, int]]:
+    """Each file's bytes, inode and modification time: a file replaced in place changes one of them."""
+    return {str(p.relative_to(directory)): (p.read_bytes(), p.stat().st_ino, p.stat().st_mtime_ns)
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_moved_branch_is_fetched_into_a_folder_of_its_own_and_a_run_reading_the_old_commit_sees_no_change(
     hub: FakeHub, tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, termination_log: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Two runs of one claim name hf://org/tiny@main; main moves between their initializers. The second run's
+    fetch, interrupted and then complete, changes nothing in the files the first run's server and trainer read
+    (or will read when they restart): each run reads the commit its own initializer fetched."""
     files = repo_files(tiny_model_dir)
-    hub.add("org/tiny", files)
+    old_commit = hub.add("org/tiny", files).commit
     monkeypatch.setenv(MODEL_TOKEN_ENV, TOKEN)
-    run_file = hub_run_file(tmp_path, hub.url, tiny_dataset)
-    assert invoke(run_file).exit_code == 0
+    first, second = (claim_run_config(tmp_path, name, hub.url, tiny_dataset) for name in ("first", "second"))
+    assert invoke(first).exit_code == 0
+    first_dir = load_run_config(first).model_dir()
+    assert first_dir.name == old_commit
+    before = file_states(first_dir)
     config = json.loads(files["config.json"])
     config["max_position_embeddings"] = config["max_position_embeddings"] * 2
     moved = {**files, "config.json": json.dumps(config).encode()}
     new_commit = hub.add("org/tiny", moved).commit  # main now points at a new commit
     hub.fail_get["config.json"] = 1
-    hub.requests.clear()
-    local = local_model_dir(run_file)
-    record = local / ".cache" / "grpo-fetch.json"
 
-    assert invoke(run_file).exit_code == EXIT_TRANSIENT
-    assert hub.file_gets() == ["config.json"]  # the unchanged files only get a HEAD
-    assert json.loads(record.read_text())["files"] is None  # a half-updated copy must not pass for the complete one
-    assert invoke(run_file).exit_code == 0
-    assert (local / "config.json").read_bytes() == moved["config.json"]
-    assert json.loads(record.read_text())["commit"] == new_commit
+    assert invoke(second).exit_code == EXIT_TRANSIENT
+    assert file_states(first_dir) == before
+    assert invoke(second).exit_code == 0
+
+    second_dir = load_run_config(second).model_dir()
+    assert (second_dir.name, second_dir.parent) == (new_commit, first_dir.parent)
+    assert (second_dir / "config.json").read_bytes() == moved["config.json"]
+    assert file_states(first_dir) == before
+    assert load_run_config(first).model_dir() == first_dir  # a restarted server or trainer of the first run
+
+
+def test_a_run_whose_initializer_has_not_fetched_its_hub_model_is_refused_naming_the_source(
+    hub: FakeHub, tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, termination_log: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run does not read another run's commit of the same source: without its own record it stops, naming it."""
+    hub.add("org/tiny", repo_files(tiny_model_dir))
+    monkeypatch.setenv(MODEL_TOKEN_ENV, TOKEN)
+    first, second = (claim_run_config(tmp_path, name, hub.url, tiny_dataset) for name in ("first", "second"))
+    assert invoke(first).exit_code == 0
+
+    with pytest.raises(RunConfigError, match=r"^spec\.model\.source hf://org/tiny@main: the initializer has not "):
+        load_run_config(second).model_dir()
+
+
+def test_a_folder_of_the_old_layout_is_never_taken_for_a_fetched_copy_and_is_left_as_it_was(
+    hub: FakeHub, tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, termination_log: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Releases before the hub folders were escaped fetched hf://org/tiny@main into hub/models/org/tiny/main, with a
+    record of a complete copy in it. That folder is not this source's (no new folder lies in an old one): while the
+    hub is unreachable it does not stand in for a fetch, and fetching the source leaves it as it was."""
+    files = repo_files(tiny_model_dir)
+    monkeypatch.setenv(MODEL_TOKEN_ENV, TOKEN)
+    run_config = claim_run_config(tmp_path, "first", hub.url, tiny_dataset)
+    old = tmp_path / "claim" / "hub" / "models" / "org" / "tiny" / "main"
+    for name, content in files.items():
+        (old / name).parent.mkdir(parents=True, exist_ok=True)
+        (old / name).write_bytes(content)
+    (old / ".cache").mkdir()
+    (old / ".cache" / "grpo-fetch.json").write_text(json.dumps(
+        {"repoId": "org/tiny", "repoType": "model", "revision": "main", "commit": "a" * 40, "files": sorted(files)}))
+    before = file_states(old)
+    hub.add("org/tiny", files)
+    hub.api_status = 503
+
+    unreachable = invoke(run_config)
+
+    assert unreachable.exit_code == EXIT_TRANSIENT, unreachable.output
+    assert "the endpoint is busy or failing" in final(unreachable).message
+    hub.api_status = None
+    assert invoke(run_config).exit_code == 0
+    model_dir = load_run_config(run_config).model_dir()
+    assert old not in model_dir.parents and model_dir.parents[2] == old.parents[2]  # hub/models/<new folder>
+    assert file_states(old) == before
 
 
 def test_hub_sources_whose_paths_collided_are_fetched_into_folders_of_their_own(
@@ -398,7 +477,7 @@ def test_hub_sources_whose_paths_collided_are_fetched_into_folders_of_their_own(
 
     assert result.exit_code == 0, result.output
     second_dir = local_model_dir(run_files[1])
-    assert first_dir != second_dir and first_dir.parent == second_dir.parent
+    assert first_dir != second_dir and first_dir.parents[2] == second_dir.parents[2]  # hub/models/<source>/snapshots
     assert repo_files(first_dir) == before
     assert (first_dir / "config.json").read_bytes() == files["config.json"]
     assert (second_dir / "config.json").read_bytes() == other_files["config.json"]
@@ -428,9 +507,9 @@ def test_a_dataset_repository_is_fetched_and_checked(
     result = invoke(run_file)
 
     assert result.exit_code == 0, result.output
-    dataset_path = local_sources_of(run_file).dataset_path
-    assert dataset_path is not None and "/.grpo/prep/hub/datasets/org--prompts@main-" in dataset_path
-    local = Path(dataset_path)
+    local = load_run_config(run_file).dataset_path()
+    assert "/.grpo/prep/hub/datasets/org--prompts@main-" in str(local)
+    assert local.parts[-4] == "snapshots" and local.parts[-3] == hub.repos[("dataset", "org/prompts")].commit
     assert local.read_bytes() == tiny_dataset.read_bytes()
     assert sorted(hub.file_gets()) == ["README.md", "data/train.jsonl"]
     assert all(r.path.startswith(("/api/datasets/org/prompts/", "/datasets/org/prompts/resolve/"))

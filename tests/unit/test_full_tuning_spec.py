@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from grpo_api.models import GRPORunSpec
-from grpo_server.settings import resolve_weight_transfer
+from grpo_api.weight_transfer import resolve_weight_transfer
 
 
 def spec(**sections: Any) -> GRPORunSpec:

@@ -318,3 +318,20 @@ def test_grpo_run_fetches_hf_sources_into_the_run_directory_and_refuses_cluster_
         field = next(iter(spec))
         with pytest.raises(RunConfigError, match=f"spec.{field}.source"):
             run_config_for(make_run(**spec), volume_root=tmp_path, server_url="", token_file=None)
+
+
+@pytest.mark.parametrize(("role", "uri", "endpoint"), DISTINCT_HUB_SOURCES)
+def test_no_hub_folder_lies_in_or_holds_a_folder_of_the_old_layout(role: str, uri: str, endpoint: str | None) -> None:
+    """Releases before the escaped names fetched into hub/<type>s/<repo id>/<revision> (repo ids and revisions hold
+    no '@'); every folder name now holds the '@' of ORG--NAME@REVISION, so an old folder is never read as a new one."""
+    source = parse_source(uri, "f")
+    assert isinstance(source, HubSource)
+    folder = hub_dir("/data", hub_key(role, source, endpoint))  # type: ignore[arg-type]
+    name = posixpath.relpath(folder, f"/data/hub/{role}s")
+    assert "/" not in name and "@" in name
+    for _, other_uri, _ in DISTINCT_HUB_SOURCES:
+        other = parse_source(other_uri, "f")
+        assert isinstance(other, HubSource)
+        old = posixpath.join(f"/data/hub/{role}s", other.repo_id, other.revision or "main")
+        assert "@" not in posixpath.relpath(old, f"/data/hub/{role}s")
+        assert not old.startswith(folder + "/") and not folder.startswith(old + "/") and old != folder

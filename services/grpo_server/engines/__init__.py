@@ -47,6 +47,26 @@ def choose_engine(requested: str) -> str:
     return requested
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine asked for cannot run in this process; the message says why and what to change."""
+
+
+def require_cuda_for_vllm() -> None:
+    """vLLM 0.26's server runs on CUDA GPUs only: without one it fails deep in its platform detection, so
+    say plainly what is missing, before importing it."""
+    if importlib.util.find_spec("vllm") is None:
+        raise EngineUnavailable(
+            "spec.server.engine vllm: this image has no vLLM (`import vllm` finds no module); use the server image "
+            "built with ENGINE=vllm (Dockerfile.server's default), or engine transformers")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise EngineUnavailable(
+            "spec.server.engine vllm needs a CUDA GPU and this process sees none (torch.cuda.is_available() is "
+            f"False; {torch.cuda.device_count()} devices): no NVIDIA driver, or no GPU given to the container (ask "
+            "for nvidia.com/gpu in spec.server.resources); engine transformers runs on a CPU")
+
+
 def create_engine(
     kind: str, model_dir: Path, served_name: str, server: ServerSpec, tokenizer: PreTrainedTokenizerBase,
     weight_transfer: str | None = None,
@@ -57,6 +77,7 @@ def create_engine(
     the transformers engine always receives over gloo and ignores it.
     """
     if kind == "vllm":
+        require_cuda_for_vllm()
         from grpo_server.engines.vllm_engine import VllmEngine
 
         return VllmEngine(model_dir, served_name, server, tokenizer, weight_transfer=weight_transfer)

@@ -1,0 +1,41 @@
+"""Whether this image (the trainer's, which the initializer runs in too) can run the spec.
+
+The initializer runs before any server exists, so a run its trainer could not execute fails there, at
+once and for good (exit code 2, naming spec.trainer.image), instead of after a GPU server has loaded and
+then once per attempt. What the trainer needs is `config.vllm_needed_for`; this module looks for it by
+importing it, as the trainer would: an installed but broken vLLM (a missing library, a compiled
+extension built for another torch) is as useless as none.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+from grpo_api.models import GRPORunSpec
+from grpo_api.weight_transfer import ENV_WEIGHT_TRANSFER, resolve_weight_transfer
+from grpo_trainer.config import image_lacks_vllm, vllm_needed_for
+
+#: The module of vLLM the trainer uses first in either case (it imports vllm itself and its NCCL wrapper).
+VLLM_PROBE_MODULE = "vllm.distributed.weight_transfer.nccl_engine"
+
+
+def vllm_import_error() -> str | None:
+    """None when vLLM's trainer-side module imports here, else what went wrong (one line)."""
+    try:
+        importlib.import_module(VLLM_PROBE_MODULE)
+    except Exception as exc:  # any failure to import is the answer, not a crash of the check
+        return f"import {VLLM_PROBE_MODULE}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+    return None
+
+
+def check_trainer_image(spec: GRPORunSpec, weight_transfer_auto: str | None = None) -> None:
+    """Raise UnsupportedSetting when the spec needs vLLM in the trainer and this image cannot import it.
+    `weight_transfer_auto` defaults to $GRPO_WEIGHT_TRANSFER, as the server resolves it."""
+    auto = weight_transfer_auto if weight_transfer_auto is not None else os.environ.get(ENV_WEIGHT_TRANSFER)
+    need = vllm_needed_for(spec, resolve_weight_transfer(spec, auto))
+    if need is None:
+        return
+    error = vllm_import_error()
+    if error is not None:
+        raise image_lacks_vllm(need, error)
