@@ -1476,6 +1476,12 @@ class TrainerSpec(PodSettings):
     generation_timeout_seconds: float = Field(
         default=600.0, gt=0.0, description="Timeout of one generation request to the server."
     )
+    reward_timeout_seconds: float = Field(
+        default=600.0, gt=0.0, le=86400.0,
+        description="Longest one call of a reward function may take: past it the attempt ends (exit code 1, the "
+        "function named) and the next one tries again, so a hung function (a judge that never answers) costs "
+        "this long, not the run.",
+    )
     metrics_port: int = Field(
         default=9400, ge=1, le=65535,
         description=f"Port of the trainer's /metrics; with numNodes > 1 not {TRAINER_RENDEZVOUS_PORT} (the "

@@ -6,24 +6,38 @@ wrapped so that a function that raises, or returns the wrong number of values or
 a value that is not a number, fails the run with the function's name (as written
 in the spec) in the error; a user function TRL could not call with the spec's args
 is refused when it is built.
+
+A call that does not return within `spec.trainer.rewardTimeoutSeconds` ends the attempt (exit code 1, its
+last words naming the function), so one hung function (a judge that never answers, a sandbox stuck in C)
+costs that long, not the whole run: the next attempt, with a fresh server, tries again. The deadline is a
+timer thread that ends the process, not the call moved to another thread: a function keeps running on the
+thread TRL calls it on (signal-based time limits in reward code, such as math-verify's, work only there),
+and a call stuck outside Python cannot be interrupted anyway.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
+import logging
 import math
+import os
 import re
 import sys
+import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grpo_api.exit_codes import EXIT_FAILED, clip_final_message, write_termination_message
 from grpo_api.models import RewardSpec
 from grpo_trainer.errors import InvalidSpec, RewardFunctionFailed
+
+log = logging.getLogger(__name__)
 
 RewardFunc = Callable[..., Any]
 
@@ -45,6 +59,8 @@ class RewardContext:
 
     max_completion_length: int
     dataset_columns: tuple[str, ...]
+    #: spec.trainer.rewardTimeoutSeconds: the longest one call may take (None: no limit, e.g. the initializer's checks).
+    timeout_seconds: float | None = None
 
 
 def completion_text(completion: Any) -> str:
@@ -298,13 +314,41 @@ def _is_async(func: RewardFunc) -> bool:
     )
 
 
-def named_reward(name: str, func: RewardFunc) -> RewardFunc:
-    """Wrap func so TRL logs it under `name` and its failures name it."""
+def _out_of_time(name: str, timeout: float) -> None:
+    """The deadline of a reward call passed: end the attempt, in words that name the function and the field."""
+    message = (f"reward function {name!r} did not return within spec.trainer.rewardTimeoutSeconds ({timeout:g}s): "
+               "the attempt ends; the next one tries again")
+    log.error("%s", message)
+    print(message, file=sys.stderr, flush=True)
+    with contextlib.suppress(OSError):
+        write_termination_message(clip_final_message(message))
+    os._exit(EXIT_FAILED)  # the stuck call cannot be unwound; every other thread goes with the process
+
+
+@contextlib.contextmanager
+def _deadline(name: str, timeout: float | None) -> Iterator[None]:
+    if timeout is None:
+        yield
+        return
+    timer = threading.Timer(timeout, _out_of_time, args=(name, timeout))
+    timer.daemon = True
+    timer.name = f"reward-deadline-{name}"
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def named_reward(name: str, func: RewardFunc, timeout: float | None = None) -> RewardFunc:
+    """Wrap func so TRL logs it under `name`, its failures name it, and a call past `timeout` seconds ends the
+    attempt (see the module's doc)."""
     if _is_async(func):
 
         async def async_wrapper(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
             try:
-                output = await func(prompts=prompts, completions=completions, **kwargs)
+                with _deadline(name, timeout):
+                    output = await func(prompts=prompts, completions=completions, **kwargs)
             except RewardFunctionFailed:
                 raise
             except Exception as exc:
@@ -316,7 +360,8 @@ def named_reward(name: str, func: RewardFunc) -> RewardFunc:
 
     def wrapper(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
         try:
-            output = func(prompts=prompts, completions=completions, **kwargs)
+            with _deadline(name, timeout):
+                output = func(prompts=prompts, completions=completions, **kwargs)
         except RewardFunctionFailed:
             raise
         except Exception as exc:
@@ -349,5 +394,5 @@ def build_rewards(
             )
         name = spec.function if spec.function not in names else f"{spec.function}#{index}"
         names.add(name)
-        funcs.append(named_reward(name, func))
+        funcs.append(named_reward(name, func, ctx.timeout_seconds))
     return funcs, [spec.weight for spec in specs]

@@ -203,7 +203,7 @@ def _train(
     reward_funcs, weights = build_rewards(
         spec.rewards,
         RewardContext(max_completion_length=t.max_completion_length,
-                      dataset_columns=tuple(dataset.column_names)),
+                      dataset_columns=tuple(dataset.column_names), timeout_seconds=t.reward_timeout_seconds),
         cfg.reward_search_paths(),
     )
     try:

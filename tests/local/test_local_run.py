@@ -299,6 +299,29 @@ def test_a_server_that_cannot_run_its_engine_fails_the_run_at_once_without_a_ret
     assert [c["role"] for c in children(run_dir)] == ["initializer", "server"], children(run_dir)
 
 
+def test_a_hung_reward_function_ends_the_attempt_at_its_deadline_naming_it(
+    tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path
+) -> None:
+    """A reward function that never returns (a judge that does not answer) costs rewardTimeoutSeconds per
+    attempt, not the run: the trainer ends with its function named, and with backoffLimit 0 the run fails."""
+    path = run_file(tmp_path, tiny_model_dir, tiny_dataset)
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["rewards"] = [{"function": "judge:never_answers"}]
+    doc["spec"]["rewardCode"] = {"inline": {"judge.py": "import time\n\n"
+                                            "def never_answers(completions, **kwargs):\n    time.sleep(3600)\n"}}
+    doc["spec"]["trainer"]["rewardTimeoutSeconds"] = 5
+    doc["spec"]["runPolicy"] = {**doc["spec"].get("runPolicy", {}), "backoffLimit": 0}
+    path.write_text(yaml.safe_dump(doc))
+    run_dir = tmp_path / "run"
+    proc = grpo_run(path, run_dir)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0, out
+    status = json.loads((run_dir / "status.json").read_text())["status"]
+    assert (status["phase"], status["reason"]) == ("Failed", "BackoffLimitExceeded"), status
+    assert ("reward function 'judge:never_answers' did not return within spec.trainer.rewardTimeoutSeconds (5s)"
+            in status["message"]), status["message"]
+
+
 def test_an_empty_dataset_fails_the_run_before_any_server_saying_it_is_empty(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -145,3 +145,59 @@ def test_a_missing_function_is_refused_naming_the_module_file_and_what_it_has(tm
 def test_reward_config_errors_are_invalid_spec_and_call_failures_are_not():
     assert issubclass(RewardConfigError, InvalidSpec)
     assert not issubclass(RewardFunctionFailed, InvalidSpec)
+
+
+DEADLINE_SCRIPT = """
+import asyncio, sys, time
+from grpo_api.models import RewardSpec
+from grpo_trainer.rewards import RewardContext, build_rewards
+
+sys.path.insert(0, sys.argv[1])
+ctx = RewardContext(max_completion_length=10, dataset_columns=("prompt",), timeout_seconds=float(sys.argv[3]))
+(quick, slow), _ = build_rewards([RewardSpec(function="judge:quick"), RewardSpec(function=f"judge:{sys.argv[2]}")],
+                                 ctx, [])
+kwargs = dict(prompts=["p"], completions=["c"], completion_ids=[[1]], trainer_state=None)
+assert quick(**kwargs) == [1.0]  # a call within the deadline leaves nothing behind
+time.sleep(float(sys.argv[3]) + 0.5)  # ... not even a timer that fires later
+print("quick call done", flush=True)
+result = slow(**kwargs)
+if asyncio.iscoroutine(result):
+    asyncio.run(result)
+print("slow call returned", flush=True)
+"""
+
+JUDGE = """
+import asyncio, time
+
+def quick(completions, **kwargs):
+    return [1.0] * len(completions)
+
+def hangs(completions, **kwargs):
+    time.sleep(3600)
+
+async def hangs_async(completions, **kwargs):
+    time.sleep(3600)  # blocks the event loop too: no asyncio timeout could fire
+"""
+
+
+@pytest.mark.parametrize("function", ["hangs", "hangs_async"])
+def test_a_reward_call_past_its_deadline_ends_the_attempt_naming_the_function(function: str, tmp_path: Path):
+    """A real process: the call that does not return within rewardTimeoutSeconds ends it with exit code 1 and last
+    words (stderr, the termination log) that name the function and the field; one that returns in time leaves no
+    timer behind."""
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "judge.py").write_text(JUDGE)
+    termination_log = tmp_path / "termination-log"
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", DEADLINE_SCRIPT, str(tmp_path), function, "1.5"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "GRPO_TERMINATION_LOG": str(termination_log)})
+    took = time.monotonic() - started
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "quick call done" in done.stdout and "slow call returned" not in done.stdout
+    said = f"reward function 'judge:{function}' did not return within spec.trainer.rewardTimeoutSeconds (1.5s)"
+    assert said in done.stderr and said in termination_log.read_text()
+    assert took < 60, took
