@@ -5,7 +5,7 @@
 #
 #   hack/build-testbin.sh            # build what is missing, print the bin dir
 #   GRPO_TESTBIN=/some/dir hack/...  # use another cache root
-#   hack/build-testbin.sh etcd k8s   # only these (targets: etcd k8s helm promtool prometheus coredns pause
+#   hack/build-testbin.sh etcd k8s   # only these (targets: etcd k8s helm promtool prometheus coredns pause actionlint
 #                                    #   containerd)
 #
 # k8s is kube-apiserver, kube-controller-manager, kubectl (the integration tests' control plane) and
@@ -26,6 +26,8 @@ PROM_VERSION=${PROM_VERSION:-0.316.0}     # Prometheus 3.16.0
 COREDNS_VERSION=${COREDNS_VERSION:-1.15.0}
 # containerd 2.1+ mounts OCI images as volumes (Kubernetes image volumes); Debian's 1.6 cannot.
 CONTAINERD_VERSION=${CONTAINERD_VERSION:-2.4.2}
+# The linter of the release workflow (.github/workflows/release.yml).
+ACTIONLINT_VERSION=${ACTIONLINT_VERSION:-1.7.12}
 # The control plane for the integration tests and the node agents for the real-node tests share most
 # packages: one go build of all six pays for them once.
 K8S_BINARIES="kube-apiserver kube-controller-manager kubectl kube-scheduler kubelet kube-proxy"
@@ -94,6 +96,14 @@ build_helm() {
     -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$minor \
     -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$minor" \
     "helm.sh/helm/v3/cmd/helm@v$HELM_VERSION"
+}
+
+build_actionlint() {
+  [ -x "$BIN/actionlint" ] && [ "$(cat "$BIN/actionlint.version" 2>/dev/null)" = "$ACTIONLINT_VERSION" ] && return
+  log "building actionlint v$ACTIONLINT_VERSION"
+  GOBIN="$BIN" go install -trimpath -ldflags "-s -w -X github.com/rhysd/actionlint.version=v$ACTIONLINT_VERSION" \
+    "github.com/rhysd/actionlint/cmd/actionlint@v$ACTIONLINT_VERSION"
+  echo "$ACTIONLINT_VERSION" > "$BIN/actionlint.version"
 }
 
 build_promtool() {
@@ -177,7 +187,7 @@ build_containerd() {  # containerd, its runc shim and ctr; containerd.version sa
   cd /; rm -rf "$d"
 }
 
-targets=${*:-etcd k8s helm promtool prometheus coredns pause containerd}
+targets=${*:-etcd k8s helm promtool prometheus coredns pause containerd actionlint}
 for t in $targets; do
   # One builder per tool at a time: a second caller (another test session) waits, then finds it built.
   ( flock 9; "build_$t" ) 9>"$BIN/.build-$t.lock"
