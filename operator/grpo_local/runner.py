@@ -35,6 +35,7 @@ from pydantic import ValidationError
 
 from grpo_api.childenv import child_environment
 from grpo_api.exit_codes import EXIT_INVALID_SPEC
+from grpo_api.health import HealthClient
 from grpo_api.lifecycle import (
     Action,
     CreateInitializer,
@@ -59,7 +60,6 @@ from grpo_api.protocol import ENV_PARENT_PID, TrainingProgress
 from grpo_api.runconfig import RUN_CONFIG_FILE, RunConfig, ServerEndpoints, run_config_for
 from grpo_api.weight_transfer import ENV_WEIGHT_TRANSFER
 from grpo_local.processes import Child
-from grpo_operator.health import HealthClient
 
 #: The loop never sleeps longer than this, so the view and Ctrl-C stay responsive.
 MAX_TICK_SECONDS = 0.5

@@ -18,9 +18,9 @@ import kopf
 import prometheus_client
 from kopf._cogs.structs import references as kopf_references
 
+from grpo_api.health import HealthClient
 from grpo_api.models import GROUP, PLURAL, VERSION
 from grpo_operator import builders, children, reconcile
-from grpo_operator.health import HealthClient
 from grpo_operator.kube import KubeClient, load_api_client
 
 log = logging.getLogger("grpo_operator")

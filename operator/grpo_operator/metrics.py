@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from grpo_api.models import Phase, Reason
+from grpo_api import reasons
+from grpo_api.models import Phase
 
 RUNS = Gauge("grpo_operator_runs", "GRPORuns this operator reconciles, by phase.", ["phase"])
 RECONCILE_DURATION = Histogram(
@@ -30,16 +31,8 @@ RECONCILE_ERRORS = Counter(
 )
 #: Kinds of reconcile error known in advance (API answers add api_<status>).
 RECONCILE_ERROR_KINDS = ("api_unreachable",)
-#: Warning reasons that count as a failed attempt or run.
-FAILURE_REASONS = frozenset(
-    {
-        Reason.TRAINER_FAILED,
-        Reason.SERVER_NOT_READY,
-        Reason.BACKOFF_LIMIT_EXCEEDED,
-        Reason.DEADLINE_EXCEEDED,
-        Reason.INVALID_SPEC,
-    }
-)
+#: Reasons that count as a failed attempt or run (the one table: `grpo_api.reasons`).
+FAILURE_REASONS = reasons.FAILURE_REASONS
 SERVER_READY_LATENCY = Histogram(
     "grpo_operator_server_ready_latency_seconds",
     "From the attempt's server pod being created to its health check passing with a fresh boot id.",

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from urllib3.exceptions import HTTPError as Urllib3HTTPError
 
 from grpo_api.exit_codes import EXIT_INVALID_SPEC
+from grpo_api.health import DEFAULT_TIMEOUT_SECONDS, HealthClient
 from grpo_api.lifecycle import (
     CreateInitializer,
     CreateTrainer,
@@ -52,7 +53,6 @@ from grpo_api.runconfig import format_validation_error
 from grpo_api.sources import SourceError
 from grpo_operator import builders, metrics
 from grpo_operator.children import Children, describe_leftover, job_info, owner_of
-from grpo_operator.health import DEFAULT_TIMEOUT_SECONDS, HealthClient
 from grpo_operator.kube import KubeClient
 
 log = logging.getLogger("grpo_operator")

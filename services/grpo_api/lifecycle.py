@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Literal, TypeVar
 
+from grpo_api import reasons
 from grpo_api.models import (
     TERMINAL_PHASES,
     AdapterStatus,
@@ -72,25 +73,8 @@ EARLIER_RUN_POLL_SECONDS = 2.0
 #: Objects of an earlier run named in a status message (the rest are counted).
 MAX_NAMED_OBJECTS = 5
 
-#: Reasons that describe something going wrong: their events are Warnings.
-WARNING_REASONS = frozenset(
-    {
-        Reason.SERVER_NOT_READY,
-        Reason.TRAINER_FAILED,
-        Reason.RETRYING,
-        Reason.BACKOFF_LIMIT_EXCEEDED,
-        Reason.DEADLINE_EXCEEDED,
-        Reason.INVALID_SPEC,
-        Reason.SOURCE_UNAVAILABLE,
-        Reason.CHILD_REJECTED,
-        Reason.CHILD_CONFLICT,
-        Reason.CHILD_DELETED,
-        Reason.CHILD_RESTORED,
-        Reason.WAITING_FOR_OLD_CHILDREN,
-        Reason.RECONCILE_ERROR,
-        Reason.SERVER_UNHEALTHY,
-    }
-)
+#: Reasons whose events are Warnings (the one table: `grpo_api.reasons`).
+WARNING_REASONS = reasons.WARNING_REASONS
 
 
 # ------------------------------------------------------------------------------------------ inputs

@@ -5,6 +5,7 @@ the version they name, and the Python package it builds gives the CLI's cluster 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -114,9 +115,16 @@ def test_the_tag_must_equal_every_version_in_the_tree() -> None:
 def test_the_wheel_gives_the_cli_for_a_cluster_without_torch(tmp_path: Path) -> None:
     """What the python job does, for real: the wheel of this checkout in a fresh environment with the operator
     extra only (PyPI, as a user installs it): `grpo stage --help` and `grpo crd` work, and torch is not there."""
+    # A copy of what the wheel is built from (the images' build context): setuptools writes build/ beside it.
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(REPO / name, source / name)
+    for tree in ("services", "operator"):
+        shutil.copytree(REPO / tree, source / tree, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     dist = tmp_path / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(REPO)], check=True,
-                   timeout=600, capture_output=True)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(source)],
+                   check=True, timeout=600, capture_output=True)
     (wheel,) = dist.glob("grpo_operator-*.whl")
     env_dir = tmp_path / "cli"
     venv.create(env_dir, with_pip=True)

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
+from grpo_api.health import HealthClient
 from grpo_api.models import GRPORun
 from grpo_operator import builders, children, reconcile
-from grpo_operator.health import HealthClient
 from grpo_operator.kube import KubeClient
 from tests.fixtures.controlplane import ControlPlane, wait_for
 from tests.fixtures.server import RunningServer

@@ -249,6 +249,38 @@ def test_a_run_has_one_phase_series_and_its_series_go_when_it_is_forgotten() -> 
     metrics.forget_run("units-ns", "other-run")
 
 
+@pytest.mark.parametrize("reason", ["SourceUnavailable", "ChildConflict", "ChildRejected", "InvalidSpec"])
+def test_every_way_a_run_fails_is_counted_under_its_reason(reason: str) -> None:
+    """Runs failed as SourceUnavailable, ChildConflict or ChildRejected once went uncounted: the metric's reasons
+    were a hand-kept list beside the lifecycle's (issue 32). Both read grpo_api.reasons now."""
+    import datetime as dt
+
+    from grpo_api.lifecycle import reject
+    from grpo_api.models import GRPORunStatus, Reason
+    from grpo_operator.reconcile import _count_failures
+
+    run = {"namespace": "units-ns", "grporun": f"failed-{reason.lower()}"}
+    before = series("grpo_operator_failures_total", reason=reason)
+    assert before is not None, f"no {reason} series from the start"
+    decision = reject(GRPORunStatus(), "what went wrong", dt.datetime.now(dt.UTC), reason=Reason(reason))
+    _count_failures(run["namespace"], run["grporun"], decision)
+    assert series("grpo_operator_failures_total", reason=reason) == before + 1
+    assert series("grpo_operator_run_failures_total", **run, reason=reason) == 1
+    metrics.forget_run(run["namespace"], run["grporun"])
+
+
+def test_the_reason_table_covers_every_reason_and_its_warnings_are_the_lifecycles() -> None:
+    from grpo_api import lifecycle, reasons
+    from grpo_api.models import Reason
+
+    assert set(reasons.REASONS) == set(Reason)
+    assert lifecycle.WARNING_REASONS == reasons.WARNING_REASONS and metrics.FAILURE_REASONS == reasons.FAILURE_REASONS
+    assert reasons.FAILURE_REASONS <= reasons.WARNING_REASONS, "a failure is something going wrong"
+    assert {Reason.SOURCE_UNAVAILABLE, Reason.CHILD_CONFLICT, Reason.CHILD_REJECTED, Reason.CHILD_DELETED} <= (
+        reasons.FAILURE_REASONS)
+    assert not {Reason.RETRYING, Reason.CHILD_RESTORED, Reason.RECONCILE_ERROR} & reasons.FAILURE_REASONS
+
+
 def test_operator_flags_configure_the_run_network_policy() -> None:
     params = operator.make_context("operator", [
         "-n", "a", "--operator-pod-selector", "app.kubernetes.io/name=grpo,app.kubernetes.io/instance=x",

@@ -1,4 +1,5 @@
-"""The server's health endpoint, as the operator checks it before it lets a trainer start."""
+"""The server's health endpoint, as both executors (the operator and `grpo run`) check it before they let a
+trainer start."""
 
 from __future__ import annotations
 
