@@ -1167,7 +1167,9 @@ class ServerSpec(PodSettings):
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
     )
     health_path: str = Field(
-        default="/health/", description="Health endpoint path used by probes and gates.", max_length=256,
+        default="/health/", description="Health endpoint path used by probes and gates; the server answers its "
+        "health check there and at /health/, and refuses to start (exit code 2) when it is another endpoint's "
+        "path.", max_length=256,
         pattern=HEALTH_PATH_PATTERN,
     )
     authenticate_generation: bool = Field(

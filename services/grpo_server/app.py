@@ -23,13 +23,15 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
+from fastapi.routing import APIRoute
 
 from grpo_api.protocol import ADAPTER_VERSION_HEADER, ATTEMPT_HEADER, BOOT_ID_HEADER, ErrorResponse
 from grpo_server.errors import install_error_handlers
 from grpo_server.middleware import BodyLimitMiddleware, RequestMetricsMiddleware, UnexpectedErrorMiddleware
 from grpo_server.registry import BASE_SUFFIX
 from grpo_server.routes import adapters, health, native, openai, rlhf
+from grpo_server.routes.health import HEALTH_ROUTE_NAME
 from grpo_server.service import GenerationService
 from grpo_server.settings import GRACEFUL_SHUTDOWN_SECONDS
 
@@ -86,6 +88,20 @@ def create_app(service: GenerationService) -> FastAPI:
     app.add_middleware(UnexpectedErrorMiddleware)  # innermost of these three (added first)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetricsMiddleware)
-    for family in (health, adapters, rlhf, native, openai):
-        app.include_router(family.router(service))
+    routers = [family.router(service) for family in (health, adapters, rlhf, native, openai)]
+    _check_health_path(settings.server.health_path, routers)
+    for router in routers:
+        app.include_router(router)
     return app
+
+
+class HealthPathTaken(ValueError):
+    """spec.server.healthPath is the path of another endpoint: a probe there would not see the health check."""
+
+
+def _check_health_path(path: str, routers: list[APIRouter]) -> None:
+    """No endpoint but the health check (routes named `health`) may serve `path`."""
+    routes = [r for router in routers for r in router.routes if isinstance(r, APIRoute)]
+    if any(r.path == path and r.name != HEALTH_ROUTE_NAME for r in routes):
+        raise HealthPathTaken(f"spec.server.healthPath {path!r} is already an endpoint of the server; choose a path "
+                              "of its own (the default /health/ always answers too)")

@@ -56,7 +56,7 @@ def serve(
     """Serve the run's base model and LoRA adapters over HTTP (native + OpenAI-compatible)."""
     import uvicorn
 
-    from grpo_server.app import create_app
+    from grpo_server.app import HealthPathTaken, create_app
     from grpo_server.service import GenerationService
     from grpo_server.settings import GRACEFUL_SHUTDOWN_SECONDS, settings_from_config
 
@@ -79,9 +79,16 @@ def serve(
                 "server.authenticateGeneration is set but no token is configured ($GRPO_TOKEN or tokenFile)"
             )
         log.warning("no token configured: adapter loads and other mutating endpoints will answer 401")
+    try:
+        app = create_app(service)
+    except HealthPathTaken as exc:
+        log.error("%s", exc)
+        with contextlib.suppress(OSError):
+            write_termination_message(clip_final_message(f"the server cannot run: {exc}"))
+        sys.exit(EXIT_INVALID_SPEC)
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(service),
+            app,
             host=settings.host,
             port=settings.port,
             log_level=log_level,

@@ -15,6 +15,9 @@ from grpo_server.sampling import MAX_LOGPROBS
 from grpo_server.schemas import ModelCard, ModelList, ServerInfo, WorldSizeResponse
 from grpo_server.service import GenerationService
 
+#: The name of the health check's routes (app.py keeps spec.server.healthPath for them alone).
+HEALTH_ROUTE_NAME = "health"
+
 
 def router(service: GenerationService) -> APIRouter:
     settings = service.settings
@@ -24,15 +27,19 @@ def router(service: GenerationService) -> APIRouter:
         status_code, body = service.health()
         return JSONResponse(status_code=status_code, content=body.model_dump(mode="json"))
 
+    # spec.server.healthPath is where probes and both executors look: served too when it is another path.
+    paths = ("/health/", "/health")
+    custom = settings.server.health_path
     add_routes(
         api,
-        ("/health/", "/health"),
+        paths if custom in paths else (*paths, custom),
         health,
         methods=["GET"],
         response_model=HealthResponse,
         responses={503: {"model": HealthResponse, "description": "Engine loading or unhealthy."}},
         summary="Health: 200 only when a generation can be served",
         tags=["health"],
+        name=HEALTH_ROUTE_NAME,
     )
 
     def world_size() -> WorldSizeResponse:
