@@ -1,18 +1,30 @@
 """The FastAPI application: lifespan, middleware, error handlers and the routers of `grpo_server.routes`.
 
-Endpoints (native, Axolotl-compatible; and the OpenAI subset TRL 1.16 uses):
+Endpoints (native, Axolotl-compatible; vLLM's runtime-LoRA and RL routes; the OpenAI subset TRL 1.16 uses).
+Every route is listed (tests/server/test_routes.py holds the list to the app's routes); a path with and
+without its trailing slash is one line:
 
-    GET  /health, /health/                 503 while loading, 200 when a generation can be served
-    POST /set_lora_adapter/                load + activate an adapter version (token)
-    POST /clear_lora_adapter/              back to the base model (token)
-    POST /reset_prefix_cache, /reset_prefix_cache/   (token)
+    GET  /health, /health/                 503 while loading, 200 when a generation can be served (also at
+                                           spec.server.healthPath)
     GET  /get_world_size, /get_world_size/
-    POST /generate/                        prompt-major ids and logprobs
     GET  /v1/models
     GET  /server_info                      ?config_format=json|text
+    GET  /metrics                          Prometheus (server and, with vLLM, `vllm:` metrics)
+    POST /set_lora_adapter/, /set_lora_adapter       load + activate an adapter version (token)
+    POST /clear_lora_adapter/, /clear_lora_adapter   back to the base model (token)
+    POST /reset_prefix_cache, /reset_prefix_cache/   (token)
+    POST /v1/load_lora_adapter             vLLM's runtime LoRA load (token)
+    POST /v1/unload_lora_adapter           (token)
+    POST /pause                            new generations wait for /resume (token)
+    POST /resume                           (token)
+    GET  /is_paused
+    POST /init_weight_transfer_engine      vLLM's weight transfer: whole weights (token)
+    POST /start_weight_update              (token)
+    POST /update_weights                   (token)
+    POST /finish_weight_update             (token)
+    POST /generate/                        prompt-major ids and logprobs
     POST /v1/completions
     POST /v1/chat/completions
-    GET  /metrics                          Prometheus (server and, with vLLM, `vllm:` metrics)
 """
 
 from __future__ import annotations
