@@ -16,7 +16,6 @@ from typing import Any
 
 import kopf
 import prometheus_client
-from kopf._cogs.structs import references as kopf_references
 
 from grpo_api.health import HealthClient
 from grpo_api.models import GROUP, PLURAL, VERSION
@@ -42,6 +41,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.enabled = False
     settings.networking.request_timeout = 30
     settings.networking.connect_timeout = 10
+    select_children_server_side(settings)
     memo["runtime"] = reconcile.Runtime(
         config=config,
         kube=KubeClient(load_api_client()),
@@ -63,8 +63,9 @@ def shutdown(memo: kopf.Memo, **_: Any) -> None:
 # -------------------------------------------------------------------------------------------- indexes
 
 #: (API group, plural) of the children kinds watched below. kopf filters by labels in-process only; its
-#: list and watch requests for these carry `labelSelector=grpo.dev/run` instead, so the API server
-#: sends the operator the run's children and not every Pod, Job or ConfigMap of the namespace.
+#: list and watch requests for these carry `labelSelector=grpo.dev/run` instead (kopf's public
+#: `settings.watching.label_selectors`), so the API server sends the operator the run's children and not
+#: every Pod, Job or ConfigMap of the namespace.
 SELECTED_RESOURCES = frozenset(
     {
         ("", "pods"),
@@ -78,34 +79,11 @@ SELECTED_RESOURCES = frozenset(
 )
 
 
-def select_children_server_side(selector: str = builders.RUN_LABEL) -> None:
-    """Make kopf's list and watch URLs of the children kinds carry a label selector.
-
-    kopf (pinned in pyproject.toml) builds every list and watch URL with `Resource.get_url`; requests for
-    one object (a name) are left as they are. A test checks the URLs kopf builds, and one the traffic.
-    """
-    original = kopf_references.Resource.get_url
-    if getattr(original, "grpo_selector", None) == selector:
-        return
-
-    def get_url(
-        self: kopf_references.Resource,
-        *,
-        server: str | None = None,
-        namespace: kopf_references.Namespace = None,
-        name: str | None = None,
-        subresource: str | None = None,
-        params: dict[str, str] | None = None,
-    ) -> str:
-        if name is None and (self.group, self.plural) in SELECTED_RESOURCES:
-            params = {**(params or {}), "labelSelector": selector}
-        return original(self, server=server, namespace=namespace, name=name, subresource=subresource, params=params)
-
-    get_url.grpo_selector = selector  # type: ignore[attr-defined]
-    kopf_references.Resource.get_url = get_url  # type: ignore[method-assign]
-
-
-select_children_server_side()
+def select_children_server_side(settings: kopf.OperatorSettings, selector: str = builders.RUN_LABEL) -> None:
+    """kopf's list and watch requests of the children kinds carry `labelSelector=selector`. The key is (group,
+    name): the core group is "", so `pods` of another group (metrics.k8s.io) is not selected by mistake."""
+    for group, plural in sorted(SELECTED_RESOURCES):
+        settings.watching.label_selectors[group, plural] = selector
 
 
 def _run_key(namespace: str | None, labels: kopf.Labels) -> RunKey:
