@@ -31,7 +31,7 @@ LOG=$STATE/logs PKI=$STATE/pki CONF=$STATE/conf
 SOCK=$RUN/containerd.sock
 NODE=grpo-node
 SVC_CIDR=10.0.0.0/24 POD_SUBNET=10.244.0.0/24 DNS_IP=10.0.0.10 API_PORT=6443 BRIDGE=grpo0
-VOLUME_COUNT=${GRPO_NODE_VOLUMES:-16} VOLUME_SIZE=20Gi
+VOLUME_COUNT=${GRPO_NODE_VOLUMES:-32} VOLUME_SIZE=20Gi
 APT_PACKAGES="runc containernetworking-plugins iptables conntrack ethtool socat kmod iproute2 curl openssl
               buildah mmdebstrap skopeo uidmap fuse-overlayfs"   # the last line: hack/images.sh
 
