@@ -119,7 +119,7 @@ def _clean_slate(node: Node, env: dict[str, str]) -> None:
     """A cluster kept from an earlier session (GRPO_E2E_KEEP=1) starts over: no runs, release or claims.
 
     Runs go before their namespace: deleting a watched namespace also deletes the operator's Role in it
-    (namespaced watch mode), after which nothing can release the runs' finalizers (README, known limits).
+    (namespaced watch mode), after which nothing can release the runs' finalizers (docs/limits.md).
     """
     if node.kubectl("get", "namespace", NAMESPACE, check=False).returncode == 0:
         node.kubectl("delete", "grporuns", "--all", "-n", NAMESPACE, "--wait=false", check=False)

@@ -24,6 +24,6 @@ def test_helm_uninstall_keeps_the_crd_and_the_runs(node: Node, staged: str) -> N
     wait_for(lambda: not node.list("pod", "app.kubernetes.io/name=grpo-operator", RELEASE_NAMESPACE), 120,
              what="the operator pod to go", interval=2)
 
-    # As the README says for runs left behind by an uninstalled operator: remove the finalizer by hand.
+    # As docs/limits.md says for runs left behind by an uninstalled operator: remove the finalizer by hand.
     node.kubectl("patch", "grporun", kept, "-n", NAMESPACE, "--type=merge", "-p", '{"metadata": {"finalizers": null}}')
     node.kubectl("delete", "grporun", kept, "-n", NAMESPACE, "--wait=true", timeout=60)
