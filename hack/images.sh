@@ -97,7 +97,9 @@ prune_stale() {  # prune_stale NAME REF ARCHIVE
 # The need is the last archive of this image when there was one, else a fixed estimate.
 need_space() {  # need_space NAME BYTES-OF-THE-PREVIOUS-ARCHIVE (0: none)
   local need avail gib=$((1024 * 1024 * 1024))
-  case $1 in grpo-server|grpo-trainer) need=$((7 * gib)) ;; grpo-*-gpu) need=$((12 * gib)) ;; *) need=$gib ;; esac
+  # The GPU images are not exported: they add their vLLM layer (~4 GB, shared by both) and their own small
+  # layers to buildah's storage, on top of the torch layer the CPU images already hold.
+  case $1 in grpo-server|grpo-trainer) need=$((7 * gib)) ;; grpo-*-gpu) need=$((5 * gib)) ;; *) need=$gib ;; esac
   if [ "$2" -gt 0 ]; then need=$(( $2 * 11 / 10 + gib / 2 )); fi
   avail=$(df -B1 --output=avail "$CACHE" | tail -1)
   if [ "$avail" -lt "$need" ]; then
