@@ -58,7 +58,7 @@ def serve(
 
     from grpo_server.app import HealthPathTaken, create_app
     from grpo_server.service import GenerationService
-    from grpo_server.settings import GRACEFUL_SHUTDOWN_SECONDS, settings_from_config
+    from grpo_server.settings import GRACEFUL_SHUTDOWN_SECONDS, HTTP_HEAD_BUFFER_BYTES, settings_from_config
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -94,6 +94,7 @@ def serve(
             log_level=log_level,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
             lifespan="on",
+            h11_max_incomplete_event_size=HTTP_HEAD_BUFFER_BYTES,
         )
     )
 

@@ -1,4 +1,4 @@
-"""ASGI middleware: request-body size limit, per-endpoint request metrics, and the last-resort 500."""
+"""ASGI middleware: request head and body size limits, per-endpoint request metrics, and the last-resort 500."""
 
 from __future__ import annotations
 
@@ -11,20 +11,32 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from grpo_server import metrics
 from grpo_server.errors import BodyTooLarge, error_response
+from grpo_server.settings import MAX_HEADER_BYTES
 
 log = logging.getLogger(__name__)
 
 
 class BodyLimitMiddleware:
-    """Refuse bodies over `max_bytes` with 413: by Content-Length up front, else while reading."""
+    """Refuse a header block over `max_header_bytes` with 431, and bodies over `max_bytes` with 413:
+    by Content-Length up front, else while reading."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, max_header_bytes: int = MAX_HEADER_BYTES) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_header_bytes = max_header_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        header_bytes = sum(len(name) + len(value) for name, value in scope.get("headers", []))
+        if header_bytes > self.max_header_bytes:
+            response = error_response(
+                431,
+                "headers_too_large",
+                f"request headers of {header_bytes} bytes exceed {self.max_header_bytes} bytes",
+            )
+            await response(scope, receive, send)
             return
         for name, value in scope.get("headers", []):
             if name == b"content-length":

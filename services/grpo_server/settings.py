@@ -14,6 +14,13 @@ from grpo_api.weight_transfer import ENV_WEIGHT_TRANSFER, resolve_weight_transfe
 #: Largest request body accepted; more is answered 413. Overridable for very large token-id batches.
 ENV_MAX_BODY_BYTES = "GRPO_SERVER_MAX_BODY_BYTES"
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+#: Largest header block (names and values, all headers) the app accepts; more is answered 431 with the
+#: JSON error body. A bearer token or a W3C trace header is far below it.
+MAX_HEADER_BYTES = 64 * 1024
+#: What the HTTP parser (h11) buffers while a request's head is incomplete. Above MAX_HEADER_BYTES, so
+#: every head up to it reaches the app however the network splits it (h11's 16 KiB default refused a
+#: 100 KB head only when it arrived in pieces); a head over this is refused by uvicorn with a plain 400.
+HTTP_HEAD_BUFFER_BYTES = 1024 * 1024
 #: Set to 1 to let requests carry their own chat_template (Jinja run in the server): off by default.
 ENV_ALLOW_CHAT_TEMPLATES = "GRPO_SERVER_ALLOW_CHAT_TEMPLATES"
 #: Listen address unless told otherwise: pods pass 0.0.0.0 explicitly.
