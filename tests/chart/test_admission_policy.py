@@ -25,10 +25,11 @@ import yaml
 
 from grpo_api.models import GRPORun
 from grpo_operator import builders
-from tests.fixtures.controlplane import ControlPlane, wait_for
+from tests.fixtures.controlplane import ControlPlane
+from tests.fixtures.helm_cli import Helm, ensure_namespace
+from tests.fixtures.waiting import wait_for
 
 from .conftest import CHART, RELEASE, Chart, ChartTools
-from .test_chart_apiserver import Helm, ensure_namespace
 
 pytestmark = pytest.mark.controlplane
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -18,10 +17,12 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.fixtures.controlplane import ControlPlane, wait_for
+from tests.fixtures.chart_values import SCENARIOS
+from tests.fixtures.controlplane import ControlPlane
+from tests.fixtures.helm_cli import FIELD_MANAGER, Helm, ensure_namespace
+from tests.fixtures.waiting import wait_for
 
 from .conftest import CHART, Chart, ChartTools, one
-from .test_chart_render import SCENARIOS
 
 pytestmark = pytest.mark.controlplane
 
@@ -29,15 +30,7 @@ pytestmark = pytest.mark.controlplane
 #: other tests of the session use that one, and this one enforces the restricted standard.
 DRY_RUN_NAMESPACE = "grpo-chart-dry-run"
 NAMESPACES = (DRY_RUN_NAMESPACE, "chart-team-a", "chart-team-b", "chart-monitoring")
-FIELD_MANAGER = "grpo-chart-tests"
 PSS_WARNING = "would violate PodSecurity"
-
-
-def ensure_namespace(control_plane: ControlPlane, name: str, labels: dict[str, str] | None = None) -> None:
-    manifest = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels or {}}}
-    result = control_plane.kubectl("apply", "--server-side", f"--field-manager={FIELD_MANAGER}", "-f", "-",
-                                   input=json.dumps(manifest))
-    assert result.returncode == 0, result.stderr
 
 
 @pytest.fixture(scope="module")
@@ -94,21 +87,6 @@ def test_operator_pod_meets_the_restricted_standard_and_the_check_can_fail(chart
     pod["containers"][0].pop("securityContext")
     result = dry_run_apply(cluster_ready, json.dumps(weakened))
     assert PSS_WARNING in result.stderr, f"no PodSecurity warning for an unhardened pod:\n{result.stderr}"
-
-
-class Helm:
-    def __init__(self, tools: ChartTools, control_plane: ControlPlane, home: Path) -> None:
-        self.tools = tools
-        self.env = {**os.environ, "KUBECONFIG": str(control_plane.kubeconfig),
-                    "HELM_CACHE_HOME": str(home / "cache"), "HELM_CONFIG_HOME": str(home / "config"),
-                    "HELM_DATA_HOME": str(home / "data")}
-
-    def __call__(self, *args: str, values: dict[str, Any] | None = None) -> subprocess.CompletedProcess[str]:
-        argv = [str(self.tools.helm), *args]
-        if values is not None:
-            argv += ["-f", "-"]
-        return subprocess.run(argv, input=yaml.safe_dump(values) if values is not None else None,
-                              capture_output=True, text=True, timeout=180, env=self.env, check=False)
 
 
 def adopt_existing_crd(control_plane: ControlPlane, release: str, namespace: str) -> None:

@@ -17,42 +17,13 @@ import yaml
 from grpo_api.models import GRPORun
 from grpo_operator import builders
 from grpo_operator.rbac import render_rbac
+from tests.fixtures.chart_values import SCENARIOS
 
 from . import sync
 from .conftest import CHART, RELEASE, RELEASE_NAMESPACE, REPO, Chart, find, one
 
 FULLNAME = f"{RELEASE}-grpo-operator"
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
-
-#: Non-default values the chart must render, lint and (test_chart_apiserver.py) apply.
-SCENARIOS: dict[str, dict[str, Any]] = {
-    "defaults": {},
-    "namespaced-two-namespaces": {"watch": {"mode": "namespaced", "namespaces": ["chart-team-a", "chart-team-b"]}},
-    "cluster-wide": {"watch": {"mode": "cluster"},
-                     # null drops the default label (Helm merges maps): any pod of the monitoring namespace.
-                     "networkPolicy": {"scrapers": {"namespaceSelector": {"kubernetes.io/metadata.name": "monitoring"},
-                                                    "podSelector": {"app.kubernetes.io/name": None}}}},
-    "monitoring-on": {
-        "metrics": {"operator": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus"}}},
-                    "servers": {"podMonitor": {"enabled": True}},
-                    "trainers": {"podMonitor": {"enabled": True}}},
-        "prometheusRule": {"enabled": True, "labels": {"release": "kube-prometheus"}},
-        "grafanaDashboards": {"enabled": True},
-    },
-    "monitoring-on-cluster-wide": {
-        "watch": {"mode": "cluster"},
-        "metrics": {"operator": {"serviceMonitor": {"enabled": True}},
-                    "servers": {"podMonitor": {"enabled": True}},
-                    "trainers": {"podMonitor": {"enabled": True}}},
-        "prometheusRule": {"enabled": True},
-        "grafanaDashboards": {"enabled": True, "namespace": "chart-monitoring"},
-    },
-    "everything-off": {
-        "crds": {"install": False}, "rbac": {"create": False},
-        "serviceAccount": {"create": False, "name": "existing-operator"},
-        "metrics": {"service": {"enabled": False}}, "networkPolicy": {"enabled": False},
-    },
-}
 
 MONITORING_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 

@@ -17,6 +17,8 @@ from grpo_operator import metrics as operator_metrics
 from grpo_operator.metrics import METRIC_NAMES as OPERATOR_METRICS
 from grpo_server.metrics import METRIC_NAMES as SERVER_METRICS
 from grpo_trainer.metrics import METRIC_NAMES as TRAINER_METRICS
+from tests.fixtures.chart_values import SCENARIOS
+from tests.fixtures.metric_queries import concrete, dashboard_queries, metric_names, variable_metrics
 
 from .conftest import (
     CHART,
@@ -29,7 +31,6 @@ from .conftest import (
     one,
     prometheus_rules_file,
 )
-from .test_chart_render import SCENARIOS
 
 DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
 ALERTS_TEST = Path(__file__).with_name("alerts-test.yaml")
@@ -60,33 +61,6 @@ HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 # ------------------------------------------------------------------------------ PromQL metric names
 
-_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-             "offset", "inf", "nan", "atan2"}
-_GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^()]*\)")
-_IDENTIFIER = re.compile(r"(?<![\w:.$])([A-Za-z_:][\w:]*)(\s*\()?")
-GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}
-
-
-def concrete(expr: str) -> str:
-    """A Grafana query with its built-in variables replaced, so that Prometheus's parser takes it."""
-    for variable, value in GRAFANA_VARIABLES.items():
-        expr = expr.replace(variable, value)
-    return expr
-
-
-def metric_names(expr: str) -> set[str]:
-    """Metric names a PromQL expression selects (promtool has checked its syntax separately)."""
-    text = re.sub(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`', '""', concrete(expr))  # strings
-    names: set[str] = set()
-    text = re.sub(r"\{[^{}]*\}", " ", text)  # label matchers
-    text = re.sub(r"\[[^\[\]]*\]", " ", text)  # ranges and subqueries
-    text = _GROUPING.sub(" ", text)
-    for match in _IDENTIFIER.finditer(text):
-        name, call = match.group(1), match.group(2)
-        if call is None and name.lower() not in _KEYWORDS:
-            names.add(name)
-    return names
-
 
 def test_metric_name_extraction_finds_selectors_and_skips_functions_labels_and_keywords() -> None:
     expr = ('histogram_quantile(0.95, sum by (namespace, le) (rate(grpo_x_bucket{job="a", le=~"1|2"}[5m])))'
@@ -105,28 +79,6 @@ def declared(name: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------- dashboards
-
-
-def dashboard_queries(dashboard: dict[str, Any]) -> list[str]:
-    queries = []
-    panels = list(dashboard["panels"])
-    while panels:
-        panel = panels.pop()
-        panels.extend(panel.get("panels", []))
-        queries += [t["expr"] for t in panel.get("targets", [])]
-    return queries
-
-
-def variable_metrics(dashboard: dict[str, Any]) -> set[str]:
-    """Metrics of the template variables' label_values(METRIC{...}, label) queries."""
-    names = set()
-    for variable in dashboard["templating"]["list"]:
-        if variable["type"] == "query":
-            query = variable["query"]["query"] if isinstance(variable["query"], dict) else variable["query"]
-            match = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", query)
-            assert match, f"{dashboard['uid']}: variable {variable['name']} query {query!r}"
-            names |= metric_names(match.group(1))
-    return names
 
 
 @pytest.fixture(scope="module", params=[p.name for p in DASHBOARDS])

@@ -20,12 +20,13 @@ import httpx
 import pytest
 import yaml
 
-from tests.fixtures.controlplane import ControlPlane, wait_for
+from tests.fixtures.chart_values import SCENARIOS
+from tests.fixtures.controlplane import ControlPlane
+from tests.fixtures.metric_queries import dashboard_queries, metric_names, variable_metrics
 from tests.fixtures.server import RunningServer, free_port
+from tests.fixtures.waiting import wait_for
 
 from .conftest import CHART, Chart, prometheus_rules_file
-from .test_chart_render import SCENARIOS
-from .test_observability import dashboard_queries, metric_names, variable_metrics
 
 DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
 SUFFIXES = {"histogram": ("_bucket", "_sum", "_count"), "summary": ("_sum", "_count")}
@@ -88,7 +89,7 @@ def test_trainer_metrics_used_by_dashboards_and_alerts_are_served(used_metrics: 
                                                                   tiny_server: RunningServer,
                                                                   tiny_model_dir: Path, tiny_dataset: Path,
                                                                   tmp_path: Path) -> None:
-    from tests.trainer.test_trainer_with_server import clear_adapter, grpo_train, token_fraction, trainer_config
+    from tests.fixtures.trainer_runs import clear_adapter, grpo_train, token_fraction, trainer_config
 
     clear_adapter(tiny_server)
     _, config = trainer_config(tiny_server, tmp_path, dataset=tiny_dataset, rewards=[token_fraction(tiny_model_dir)],

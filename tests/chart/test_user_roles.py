@@ -25,10 +25,11 @@ from typing import Any
 
 import pytest
 
-from tests.fixtures.controlplane import CONTROLLERS, ControlPlane, wait_for
+from tests.fixtures.controlplane import CONTROLLERS, ControlPlane
+from tests.fixtures.helm_cli import Helm
+from tests.fixtures.waiting import wait_for
 
 from .conftest import CHART, Chart, ChartTools, find
-from .test_chart_apiserver import Helm
 
 FULLNAME = "grpo-grpo-operator"
 AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"

@@ -1,7 +1,8 @@
 """Admission against a real kube-apiserver: what the run's children cannot carry is refused at `kubectl apply`.
 
-ADMISSION_CASES (tests/unit/test_admission_models.py, where the models refuse the same specs) pairs each spec
-the API server must refuse, naming the field, with the nearest spec it must accept. Also here: the run name
+ADMISSION_CASES (tests/fixtures/admission_cases.py; tests/unit/test_admission_models.py has the models refuse
+the same specs) pairs each spec the API server must refuse, naming the field, with the nearest spec it must
+accept. Also here: the run name
 its children are named after, the immutable sections (in presence as well as in value) and the Reward
 printer column.
 """
@@ -15,10 +16,10 @@ import pytest
 
 from grpo_api.models import GROUP, IMMUTABLE_FIELDS, PLURAL, VERSION, GRPORunStatus, ProgressStatus
 from grpo_api.runconfig import parse_grporun
+from tests.fixtures.admission_cases import ADMISSION_CASES, BAD_RUN_NAMES, GOOD_RUN_NAMES, Case
 from tests.fixtures.controlplane import ControlPlane
-from tests.integration.test_crd import create, objects, refused  # noqa: F401  (fixture)
-from tests.unit.test_admission_models import ADMISSION_CASES, BAD_RUN_NAMES, GOOD_RUN_NAMES, Case
-from tests.unit.test_api_models import run_with, valid_run
+from tests.fixtures.grporun_objects import create, refused
+from tests.fixtures.run_specs import run_with, valid_run
 
 if TYPE_CHECKING:
     from kubernetes.client import CustomObjectsApi
@@ -34,7 +35,7 @@ def _named(body: dict[str, Any], field: str, text: str) -> None:
 
 @pytest.mark.parametrize("case", ADMISSION_CASES, ids=lambda c: c.id)
 def test_api_server_refuses_what_no_child_can_carry_naming_the_field(
-    objects: CustomObjectsApi, namespace: str, case: Case  # noqa: F811
+    objects: CustomObjectsApi, namespace: str, case: Case
 ) -> None:
     status, body = refused(objects, namespace, run_with(case.bad, name="bad"))
     assert status == 422, body
@@ -44,7 +45,7 @@ def test_api_server_refuses_what_no_child_can_carry_naming_the_field(
 
 @pytest.mark.parametrize("case", ADMISSION_CASES, ids=lambda c: c.id)
 def test_api_server_accepts_the_nearest_valid_spec_as_the_models_do(
-    objects: CustomObjectsApi, namespace: str, case: Case  # noqa: F811
+    objects: CustomObjectsApi, namespace: str, case: Case
 ) -> None:
     doc = run_with(case.good, name="good")
     stored = create(objects, namespace, doc)
@@ -53,7 +54,7 @@ def test_api_server_accepts_the_nearest_valid_spec_as_the_models_do(
 
 @pytest.mark.parametrize("name", BAD_RUN_NAMES)
 def test_api_server_refuses_a_run_name_its_children_cannot_carry(
-    objects: CustomObjectsApi, namespace: str, name: str  # noqa: F811
+    objects: CustomObjectsApi, namespace: str, name: str
 ) -> None:
     status, body = refused(objects, namespace, valid_run(name))
     assert status == 422, body
@@ -62,12 +63,12 @@ def test_api_server_refuses_a_run_name_its_children_cannot_carry(
 
 @pytest.mark.parametrize("name", GOOD_RUN_NAMES)
 def test_api_server_accepts_a_run_name_its_children_can_carry(
-    objects: CustomObjectsApi, namespace: str, name: str  # noqa: F811
+    objects: CustomObjectsApi, namespace: str, name: str
 ) -> None:
     assert create(objects, namespace, valid_run(name))["metadata"]["name"] == name
 
 
-def test_a_generated_name_is_checked_once_generated(objects: CustomObjectsApi, namespace: str) -> None:  # noqa: F811
+def test_a_generated_name_is_checked_once_generated(objects: CustomObjectsApi, namespace: str) -> None:
     """generateName adds 5 characters: a 44-character prefix makes a 49-character name."""
     doc = valid_run()
     doc["metadata"] = {"generateName": "g" * 44}
@@ -97,7 +98,7 @@ def test_every_immutable_section_is_covered() -> None:
     assert set(IMMUTABLE_FIELDS) - {"model", "dataset", "rewards"} == set(SECTIONS)
 
 
-def _patch_refused(objects: CustomObjectsApi, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:  # noqa: F811
+def _patch_refused(objects: CustomObjectsApi, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
     from kubernetes.client.exceptions import ApiException
 
     with pytest.raises(ApiException) as info:
@@ -109,7 +110,7 @@ def _patch_refused(objects: CustomObjectsApi, namespace: str, name: str, patch: 
 
 @pytest.mark.parametrize("section", list(SECTIONS))
 def test_an_immutable_section_cannot_be_removed(
-    objects: CustomObjectsApi, namespace: str, section: str  # noqa: F811
+    objects: CustomObjectsApi, namespace: str, section: str
 ) -> None:
     patch: dict[str, Any] = {section: SECTIONS[section]}
     if section == "rewardCode":
@@ -125,7 +126,7 @@ def test_an_immutable_section_cannot_be_removed(
 
 @pytest.mark.parametrize("section", OPTIONAL_SECTIONS)
 def test_an_immutable_section_cannot_be_added(
-    objects: CustomObjectsApi, namespace: str, section: str  # noqa: F811
+    objects: CustomObjectsApi, namespace: str, section: str
 ) -> None:
     create(objects, namespace, valid_run("unset"))
     body = _patch_refused(objects, namespace, "unset", {"spec": {section: SECTIONS[section]}})
@@ -134,7 +135,7 @@ def test_an_immutable_section_cannot_be_added(
     assert section not in stored["spec"]
 
 
-def test_run_policy_stays_mutable_in_presence_too(objects: CustomObjectsApi, namespace: str) -> None:  # noqa: F811
+def test_run_policy_stays_mutable_in_presence_too(objects: CustomObjectsApi, namespace: str) -> None:
     create(objects, namespace, run_with({"runPolicy": {"suspend": True}}, name="policy"))
     patched = objects.patch_namespaced_custom_object(
         GROUP, VERSION, namespace, PLURAL, "policy", {"spec": {"runPolicy": None}}
@@ -145,7 +146,7 @@ def test_run_policy_stays_mutable_in_presence_too(objects: CustomObjectsApi, nam
 # ---------------------------------------------------------------------------------------- printer column
 
 
-def test_the_reward_column_is_short(control_plane: ControlPlane, objects: CustomObjectsApi, namespace: str) -> None:  # noqa: F811
+def test_the_reward_column_is_short(control_plane: ControlPlane, objects: CustomObjectsApi, namespace: str) -> None:
     create(objects, namespace, valid_run("shown"))
     status = GRPORunStatus(progress=ProgressStatus(step=3, max_steps=10, reward_mean=0.8234567890123456))
     objects.patch_namespaced_custom_object_status(

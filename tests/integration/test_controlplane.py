@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from tests.fixtures.controlplane import K8S_VERSION, ControlPlane, wait_for
+from tests.fixtures.controlplane import K8S_VERSION, ControlPlane
+from tests.fixtures.waiting import wait_for
 
 pytestmark = pytest.mark.controlplane
 

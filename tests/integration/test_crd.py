@@ -1,13 +1,12 @@
 """The generated GRPORun CRD against a real kube-apiserver: accepted, defaulted, and strict.
 
-The invalid manifests are the ones tests/unit/test_api_models.py feeds to the pydantic models: the API
-server must refuse each one too, naming the field.
+The invalid manifests (INVALID_SPECS, tests/fixtures/run_specs.py) are the ones tests/unit/test_api_models.py
+feeds to the pydantic models: the API server must refuse each one too, naming the field.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -16,7 +15,8 @@ import yaml
 from grpo_api.models import GROUP, PLURAL, VERSION
 from grpo_api.runconfig import parse_grporun
 from tests.fixtures.controlplane import ControlPlane
-from tests.unit.test_api_models import INVALID_SPECS, Invalid, run_with, valid_run
+from tests.fixtures.grporun_objects import create, refused
+from tests.fixtures.run_specs import INVALID_SPECS, Invalid, run_with, valid_run
 
 if TYPE_CHECKING:
     from kubernetes.client import CustomObjectsApi
@@ -44,32 +44,6 @@ SOURCES_AND_POD_SETTINGS: dict[str, Any] = {
     "storage": {"size": "1Gi", "accessModes": ["ReadWriteMany"]},
     "initializer": {"backoffLimit": 1, "activeDeadlineSeconds": 600},
 }
-
-
-@pytest.fixture
-def objects(control_plane: ControlPlane, grporun_crd: dict[str, Any]) -> Iterator[CustomObjectsApi]:
-    from kubernetes import client
-
-    with control_plane.api_client() as api:
-        yield client.CustomObjectsApi(api)
-
-
-def create(objects: CustomObjectsApi, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-    created: dict[str, Any] = objects.create_namespaced_custom_object(
-        GROUP, VERSION, namespace, PLURAL, body, field_validation="Strict"
-    )
-    return created
-
-
-def refused(objects: CustomObjectsApi, namespace: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    """Create body and return the API server's (HTTP status, Status object); fail if it was accepted."""
-    from kubernetes.client.exceptions import ApiException
-
-    try:
-        create(objects, namespace, body)
-    except ApiException as exc:
-        return int(exc.status), json.loads(exc.body)
-    pytest.fail(f"the API server accepted an invalid GRPORun: {body['spec']}")
 
 
 def test_generated_crd_is_established_with_structural_schema_and_printer_columns(

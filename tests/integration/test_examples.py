@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from grpo_api.runconfig import load_grporun
-from tests.integration.test_crd import create, objects  # noqa: F401  (fixture)
+from tests.fixtures.grporun_objects import create
 
 if TYPE_CHECKING:
     from kubernetes.client import CustomObjectsApi
@@ -27,7 +27,7 @@ def test_example_is_accepted_by_the_models(path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_example_is_accepted_by_the_api_server(objects: CustomObjectsApi, namespace: str, path: Path) -> None:  # noqa: F811
+def test_example_is_accepted_by_the_api_server(objects: CustomObjectsApi, namespace: str, path: Path) -> None:
     body: dict[str, Any] = yaml.safe_load(path.read_text())
     body["metadata"]["namespace"] = namespace
     stored = create(objects, namespace, body)

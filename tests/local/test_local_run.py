@@ -7,8 +7,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,54 +14,10 @@ from typing import Any
 import pytest
 import yaml
 
-from grpo_testmodels import target_token_ids
+from tests.fixtures.local_runs import children, grpo_run, run_file
+from tests.fixtures.waiting import wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-
-
-def run_file(tmp: Path, model_dir: Path, dataset: Path, server: dict[str, Any] | None = None, **trainer: Any) -> Path:
-    lo, hi = target_token_ids(model_dir)
-    spec = {
-        "model": {"name": "tiny", "path": str(model_dir)},
-        "dataset": {"path": str(dataset)},
-        "rewards": [{"function": "token_fraction", "args": {"low": lo, "high": hi}}],
-        "server": {"engine": "transformers", "maxLoraRank": 8, **(server or {})},
-        "trainer": {
-            "lora": {"r": 8, "alpha": 16},
-            "numGenerations": 4,
-            "perDeviceBatchSize": 8,
-            "maxCompletionLength": 8,
-            "learningRate": 3e-2,
-            "maxSteps": 4,
-            "syncInterval": 1,
-            "checkpointInterval": 1,
-            "seed": 0,
-            **trainer,
-        },
-        "runPolicy": {"backoffLimit": 1, "serverReadyTimeoutSeconds": 180, "activeDeadlineSeconds": 600},
-    }
-    path = tmp / "run.yaml"
-    path.write_text(yaml.safe_dump({"apiVersion": "grpo.dev/v1alpha1", "kind": "GRPORun",
-                                    "metadata": {"name": "local-test"}, "spec": spec}))
-    return path
-
-
-def grpo_run(path: Path, run_dir: Path, **kwargs: Any) -> subprocess.Popen[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "grpo_cli.main", "run", "-f", str(path), "--run-dir", str(run_dir), "--no-live"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT, **kwargs,
-    )
-
-
-def wait_for(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def progress_step(run_dir: Path) -> int:
@@ -71,13 +25,6 @@ def progress_step(run_dir: Path) -> int:
         return int(json.loads((run_dir / "progress" / "local-test.json").read_text())["step"])
     except (OSError, ValueError, KeyError):
         return 0
-
-
-def children(run_dir: Path) -> list[dict[str, Any]]:
-    try:
-        return list(json.loads((run_dir / "processes.json").read_text())["children"])
-    except (OSError, ValueError):
-        return []
 
 
 def group_alive(pid: int) -> bool:
@@ -123,7 +70,7 @@ def test_killing_the_server_mid_run_starts_a_new_attempt_with_a_fresh_server(
     path = run_file(tmp_path, tiny_model_dir, tiny_dataset, maxSteps=6, generationTimeoutSeconds=15)
     proc = grpo_run(path, run_dir)
     try:
-        wait_for(lambda: progress_step(run_dir) >= 2, 300, "two trained steps")
+        wait_for(lambda: progress_step(run_dir) >= 2, 300, what="two trained steps")
         server = next(c for c in children(run_dir) if c["role"] == "server" and c["attempt"] == 1)
         os.killpg(server["pid"], signal.SIGKILL)
         out, _ = proc.communicate(timeout=480)
@@ -149,7 +96,7 @@ def test_two_server_replicas_and_two_trainer_processes_learn_and_survive_losing_
                     maxSteps=20, checkpointInterval=10)
     proc = grpo_run(path, run_dir)
     try:
-        wait_for(lambda: progress_step(run_dir) >= 6, 600, "step 6")
+        wait_for(lambda: progress_step(run_dir) >= 6, 600, what="step 6")
         servers = [c for c in children(run_dir) if c["role"] == "server"]
         assert len(servers) == 2, servers
         ports = json.loads((run_dir / "processes.json").read_text())["ports"]
@@ -184,7 +131,7 @@ def test_sigint_mid_run_leaves_no_child_and_no_bound_port(
     run_dir = tmp_path / "run"
     proc = grpo_run(run_file(tmp_path, tiny_model_dir, tiny_dataset, maxSteps=50), run_dir)
     try:
-        wait_for(lambda: any(c["role"] == "trainer" for c in children(run_dir)), 300, "the trainer to start")
+        wait_for(lambda: any(c["role"] == "trainer" for c in children(run_dir)), 300, what="the trainer to start")
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     finally:

@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 
 from grpo_local.processes import Child
+from tests.fixtures.local_runs import children, grpo_run, run_file
 from tests.fixtures.server import RunningServer
-from tests.local.test_local_run import children, grpo_run, run_file, wait_for
-from tests.trainer.test_trainer_with_server import cli_env, grpo_train, token_fraction, trainer_config
+from tests.fixtures.trainer_runs import cli_env, grpo_train, token_fraction, trainer_config
+from tests.fixtures.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,11 +90,11 @@ def test_a_local_child_has_ended_only_when_a_process_that_left_its_group_has_too
     child = Child(role="trainer", attempt=1, argv=[sys.executable, "-c", script], log_path=tmp_path / "child.log")
     child.start()
     try:
-        wait_for(lambda: pid_file.is_file() and pid_file.read_text().isdigit(), 30, "the grandchild")
+        wait_for(lambda: pid_file.is_file() and pid_file.read_text().isdigit(), 30, what="the grandchild")
         grandchild = int(pid_file.read_text())
         assert child.pid is not None
         os.kill(child.pid, signal.SIGKILL)  # the leader dies first, as a killed launcher does
-        wait_for(lambda: child.poll() is not None, 10, "the leader's exit")
+        wait_for(lambda: child.poll() is not None, 10, what="the leader's exit")
         assert not child.group_alive(), "the grandchild left the group: a group signal cannot reach it"
         assert alive(grandchild)
         assert child.alive(), "the child has not ended while a process it started lives"
@@ -114,7 +115,7 @@ def test_a_trainer_process_dies_with_the_process_that_started_it(tmp_path: Path)
                  "time.sleep(300)\n")
     parent = subprocess.Popen([sys.executable, "-c", starts_it], cwd=ROOT)
     try:
-        wait_for(lambda: pid_file.is_file() and pid_file.read_text().isdigit(), 60, "the tied process")
+        wait_for(lambda: pid_file.is_file() and pid_file.read_text().isdigit(), 60, what="the tied process")
         pid = int(pid_file.read_text())
         assert alive(pid)
         parent.kill()
@@ -153,7 +154,7 @@ def test_killing_any_process_of_a_two_process_attempt_ends_all_of_them(
                                 stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
     processes: dict[str, int] = {}
     try:
-        wait_for(lambda: (tmp_path / "progress.json").is_file() and launcher.poll() is None, 300, "training")
+        wait_for(lambda: (tmp_path / "progress.json").is_file() and launcher.poll() is None, 300, what="training")
         processes = attempt_processes(launcher.pid)
         assert set(processes) == {"launcher", "torchrun", "rank 0", "rank 1"}, processes
         os.kill(processes[killed], signal.SIGKILL)
@@ -186,13 +187,13 @@ def test_grpo_run_starts_the_next_attempt_only_once_every_process_of_the_killed_
     try:
         checkpoints = run_dir / "checkpoints" / "local-test"
         wait_for(lambda: any(checkpoints.glob("checkpoint-*/grpo-complete.json")), 480,
-                 "a complete checkpoint of attempt 1")
+                 what="a complete checkpoint of attempt 1")
         trainer = next(c for c in children(run_dir) if c["role"] == "trainer" and c["attempt"] == 1)
         processes = attempt_processes(trainer["pid"])
         assert set(processes) == {"launcher", "torchrun", "rank 0", "rank 1"}, processes
         os.kill(trainer["pid"], signal.SIGKILL)
         wait_for(lambda: any(c["role"] == "server" and c["attempt"] == 2 for c in children(run_dir)), 300,
-                 "attempt 2's server")
+                 what="attempt 2's server")
         left = [f"{name} (pid {pid})" for name, pid in processes.items() if alive(pid)]
         assert left == [], f"attempt 2's server started while attempt 1's {left} lived"
         out, _ = proc.communicate(timeout=600)

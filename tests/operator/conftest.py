@@ -26,8 +26,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.fixtures.controlplane import ControlPlane, wait_for
+from tests.fixtures.controlplane import ControlPlane
 from tests.fixtures.server import free_port
+from tests.fixtures.waiting import wait_for
 
 pytestmark = pytest.mark.controlplane
 

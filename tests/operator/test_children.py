@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.fixtures.controlplane import ControlPlane, wait_for
+from tests.fixtures.controlplane import ControlPlane
+from tests.fixtures.waiting import consistently, wait_for
 from tests.operator.conftest import Kube, OperatorProcess
 
 pytestmark = pytest.mark.controlplane
@@ -80,8 +80,7 @@ def test_new_run_gets_every_child_with_expected_fields_and_no_job_while_server_u
     assert owned[4].spec.resources.requests["storage"] == "3Gi"
 
     # The server never answers: several reconciles later there is still no trainer Job.
-    time.sleep(4)
-    assert kube.jobs("r1") == []
+    consistently(lambda: kube.jobs("r1") == [], 4, what="no trainer Job while the server never answers")
     status = kube.status("r1")
     assert status["phase"] == "StartingServer" and "unreachable" in status["message"]
     conditions = {c["type"]: c for c in status["conditions"]}

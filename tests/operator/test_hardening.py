@@ -9,7 +9,6 @@ against the same API server, to reproduce a state (a crash between two writes, a
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,8 +20,9 @@ from grpo_api.health import HealthClient
 from grpo_api.models import GRPORun
 from grpo_operator import builders, children, reconcile
 from grpo_operator.kube import KubeClient
-from tests.fixtures.controlplane import ControlPlane, wait_for
+from tests.fixtures.controlplane import ControlPlane
 from tests.fixtures.server import RunningServer
+from tests.fixtures.waiting import consistently, wait_for
 from tests.operator.conftest import Kube, OperatorProcess
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.slow]
@@ -120,9 +120,8 @@ def test_a_limit_the_namespace_sets_that_refuses_a_child_fails_the_run_at_once_w
     assert conditions(status)["Failed"]["reason"] == "ChildRejected"
     # One refusal, one event: no retry storm (a storm would add more within a few reconcile intervals).
     kube.wait_event("quota", "Warning", "ChildRejected")
-    time.sleep(3)
-    events = [e for e in kube.events("quota") if e[1] == "ChildRejected"]
-    assert len(events) == 1, events
+    consistently(lambda: len([e for e in kube.events("quota") if e[1] == "ChildRejected"]) == 1, 3,
+                 what="one ChildRejected event")
 
 
 # ----------------------------------------------------------------------------- children mid-attempt

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.fixtures.controlplane import wait_for
 from tests.fixtures.server import RunningServer
+from tests.fixtures.waiting import consistently, wait_for
 from tests.operator.conftest import Kube, OperatorProcess
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.slow]
@@ -63,8 +62,7 @@ def test_failed_trainer_retries_with_a_fresh_server_and_success_stops_the_server
              what=f"only attempt-2 server pods (now {pod_attempts(kube, 'r')})")
     assert kube.deployment("r-server").spec.template.metadata.annotations["grpo.dev/attempt"] == "2"
     # The old process still answers with the boot id of attempt 1: no trainer for attempt 2.
-    time.sleep(3)
-    assert kube.job("r-trainer-2") is None
+    consistently(lambda: kube.job("r-trainer-2") is None, 3, what="no trainer Job of attempt 2 (old boot id)")
     assert "earlier attempt" in kube.status("r")["message"]
 
     second = start_server()
@@ -99,9 +97,13 @@ def test_backoff_limit_exhausted_fails_the_run(
     assert status["failedAttempts"] == 1
     assert "exit code 1 (Error)" in status["message"], "the trainer pod's exit is surfaced on the run"
     wait_for(lambda: kube.deployment("r-server").spec.replicas == 0, what="server scaled to 0")
-    time.sleep(2)
-    assert kube.status("r")["phase"] == "Failed", "terminal phases stay terminal"
-    assert [j.metadata.name for j in kube.jobs("r")] == ["r-trainer-1"]
+
+    def still_failed_with_one_trainer() -> bool:
+        assert kube.status("r")["phase"] == "Failed", "terminal phases stay terminal"
+        assert [j.metadata.name for j in kube.jobs("r")] == ["r-trainer-1"]
+        return True
+
+    consistently(still_failed_with_one_trainer, 2, what="the failed run")
 
 
 def test_a_trainer_exiting_with_the_invalid_spec_code_fails_the_run_at_once_without_another_server(
@@ -124,13 +126,16 @@ def test_a_trainer_exiting_with_the_invalid_spec_code_fails_the_run_at_once_with
     wait_for(lambda: kube.deployment("r-server").spec.replicas == 0, what="server scaled to 0")
     wait_for(lambda: ("Warning", "InvalidSpec") in kube.events("r"), what="InvalidSpec event")
 
-    time.sleep(3)  # several reconciles: still nothing new
-    assert kube.status("r")["phase"] == "Failed"
-    assert [j.metadata.name for j in kube.jobs("r")] == ["r-trainer-1"]
-    assert kube.deployment("r-server").spec.template.metadata.annotations["grpo.dev/attempt"] == "1"
-    assert pod_attempts(kube, "r") in ([], ["1"]), "no server pod of a second attempt"
-    reasons = [reason for _, reason in kube.events("r")]
-    assert "Retrying" not in reasons and "TrainerFailed" not in reasons, reasons
+    def nothing_new() -> bool:
+        assert kube.status("r")["phase"] == "Failed"
+        assert [j.metadata.name for j in kube.jobs("r")] == ["r-trainer-1"]
+        assert kube.deployment("r-server").spec.template.metadata.annotations["grpo.dev/attempt"] == "1"
+        assert pod_attempts(kube, "r") in ([], ["1"]), "no server pod of a second attempt"
+        reasons = [reason for _, reason in kube.events("r")]
+        assert "Retrying" not in reasons and "TrainerFailed" not in reasons, reasons
+        return True
+
+    consistently(nothing_new, 3, what="nothing new over several reconciles")
 
 
 def test_server_that_never_gets_healthy_fails_with_server_not_ready(operator: OperatorProcess, kube: Kube) -> None:
@@ -239,13 +244,17 @@ def test_operator_restart_mid_run_creates_no_duplicates_and_the_run_continues(
     wait_for(lambda: kube.job("r-trainer-1"), what="trainer Job")
 
     operator.restart()
-    time.sleep(3)  # several reconciles by the new process
-    assert [j.metadata.name for j in kube.jobs("r")] == ["r-trainer-1"]
-    deployments = kube.apps.list_namespaced_deployment(kube.namespace, label_selector="grpo.dev/run=r").items
-    assert [d.metadata.name for d in deployments] == ["r-server"]
-    assert len(kube.core.list_namespaced_config_map(kube.namespace, label_selector="grpo.dev/run=r").items) == 1
-    status = kube.status("r")
-    assert status["phase"] == "Training" and status["attempt"] == 1
+
+    def no_duplicates() -> bool:
+        assert [j.metadata.name for j in kube.jobs("r")] == ["r-trainer-1"]
+        deployments = kube.apps.list_namespaced_deployment(kube.namespace, label_selector="grpo.dev/run=r").items
+        assert [d.metadata.name for d in deployments] == ["r-server"]
+        assert len(kube.core.list_namespaced_config_map(kube.namespace, label_selector="grpo.dev/run=r").items) == 1
+        status = kube.status("r")
+        assert status["phase"] == "Training" and status["attempt"] == 1
+        return True
+
+    consistently(no_duplicates, 3, what="no duplicate child over several reconciles by the new process")
 
     operator.stop()
     kube.finish_trainer("r-trainer-1", succeeded=True)

@@ -9,13 +9,11 @@ on by itself once it is gone.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from tests.fixtures.controlplane import wait_for
+from tests.fixtures.waiting import consistently, wait_for
 from tests.operator.conftest import Kube, OperatorProcess, run_spec
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.slow]
@@ -33,14 +31,6 @@ def conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def owner_uid(obj: Any) -> str | None:
     refs = obj.metadata.owner_references or []
     return next((r.uid for r in refs if r.kind == "GRPORun" and r.controller), None)
-
-
-def consistently(predicate: Callable[[], Any], seconds: float, what: str, interval: float = 0.25) -> None:
-    """Fail as soon as predicate turns falsy within `seconds`."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        assert predicate(), f"{what} stopped holding"
-        time.sleep(interval)
 
 
 def claim(kube: Kube, name: str) -> Any:

@@ -9,7 +9,6 @@ those IPs (the operator then checks each pod at its own IP, as on a cluster).
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,8 +18,8 @@ import yaml
 
 from grpo_api.runconfig import RunConfig
 from grpo_operator import children, reconcile
-from tests.fixtures.controlplane import wait_for
 from tests.fixtures.server import RunningServer, free_port, start_server
+from tests.fixtures.waiting import consistently, wait_for
 from tests.operator.conftest import Kube, OperatorProcess
 
 pytestmark = pytest.mark.controlplane
@@ -103,9 +102,8 @@ def test_a_run_of_two_replicas_gets_their_deployment_and_headless_service_and_it
     # One replica of two answers: several reconciles later there is still no trainer.
     wait_for(lambda: "1 of 2 replicas" in kube.status("rep").get("message", ""),
              what=f"the status to count one healthy replica of two (now {kube.status('rep')})")
-    time.sleep(3)
-    assert kube.jobs("rep") == []
-    assert kube.status("rep")["phase"] == "StartingServer"
+    consistently(lambda: kube.jobs("rep") == [] and kube.status("rep")["phase"] == "StartingServer", 3,
+                 what="no trainer Job while one replica of two answers")
 
     kube.set_server_url("rep", f"{first.url},{second.url}")
     status = kube.wait_phase("rep", "Training", timeout=30)

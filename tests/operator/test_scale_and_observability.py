@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from grpo_operator.metrics import METRIC_NAMES
-from tests.fixtures.controlplane import wait_for
+from tests.fixtures.waiting import wait_for
 from tests.operator.conftest import Kube, OperatorProcess
 
 pytestmark = pytest.mark.controlplane

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.fixtures.controlplane import wait_for
 from tests.fixtures.server import RunningServer
+from tests.fixtures.waiting import wait_for
 
 from .conftest import InitializerKubelet, Kube, OperatorProcess, run_spec
 

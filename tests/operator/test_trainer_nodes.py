@@ -16,8 +16,8 @@ from grpo_api.lifecycle import TrainerState
 from grpo_api.models import GRPORun, GRPORunStatus
 from grpo_operator import reconcile
 from grpo_operator.children import Children, JobInfo, pod_info
-from tests.fixtures.controlplane import wait_for
 from tests.fixtures.server import RunningServer
+from tests.fixtures.waiting import wait_for
 from tests.operator.conftest import Kube, OperatorProcess
 
 pytestmark = pytest.mark.controlplane

@@ -13,8 +13,8 @@ import pytest
 
 from grpo_api.protocol import ADAPTER_VERSION_HEADER
 from tests.fixtures.server import RunningServer, start_server
+from tests.fixtures.server_requests import Versions, active_version, complete, ours, trigger
 from tests.server.adapters import LoraMaker
-from tests.server.test_adapters import Versions, active_version, complete, ours, trigger
 
 MAX_LORAS = 1  # every new version evicts the one before (once no request holds it)
 

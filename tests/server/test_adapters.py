@@ -16,6 +16,16 @@ import pytest
 
 from grpo_api.protocol import ADAPTER_VERSION_HEADER, SetAdapterResponse
 from tests.fixtures.server import ENV_ENGINE, RunningServer, start_server
+from tests.fixtures.server_requests import (
+    Versions,
+    active_version,
+    complete,
+    first_token_distribution,
+    ours,
+    same_distribution,
+    token_ids,
+    trigger,
+)
 from tests.server.adapters import LoraMaker, add_manifest_entry, edit_config, publish_dir, rewrite_tensors
 
 MAX_RANK = 8
@@ -36,79 +46,9 @@ def maker(served_model_dir: Path) -> LoraMaker:
     return LoraMaker(served_model_dir)
 
 
-class Versions:
-    """Hands out fresh version numbers so tests sharing the server never collide."""
-
-    def __init__(self) -> None:
-        self.last = 100
-
-    def __call__(self) -> int:
-        self.last += 1
-        return self.last
-
-
 @pytest.fixture(scope="module")
 def next_version() -> Versions:
     return Versions()
-
-
-def trigger(server: RunningServer, body: dict[str, Any], auth: bool = True) -> httpx.Response:
-    return httpx.post(server.url + "/set_lora_adapter/", json=body, headers=server.auth if auth else {}, timeout=120)
-
-
-def ours(path: Path | str, version: int, digest: str | None) -> dict[str, Any]:
-    return {"path": str(path), "version": version, "sha256": digest}
-
-
-def complete(server: RunningServer, model: str | None = None, seed: int = 5) -> httpx.Response:
-    body: dict[str, Any] = {"prompt": [[5, 6, 7, 8], [50, 60]], "max_tokens": 8, "temperature": 0.0,
-                            "ignore_eos": True, "return_token_ids": True, "seed": seed}
-    if model is not None:
-        body["model"] = model
-    return httpx.post(server.url + "/v1/completions", json=body, timeout=120)
-
-
-def token_ids(response: httpx.Response) -> list[list[int]]:
-    return [choice["token_ids"] for choice in response.json()["choices"]]
-
-
-def first_token_distribution(
-    server: RunningServer, model: str | None = None
-) -> tuple[list[dict[str, float]], list[int | None]]:
-    """Top-5 logprobs of the first generated token of two prompts, one request at a time (and the versions).
-
-    Exact greedy tokens are no test of "the same adapter" on vLLM: its LoRA shrink kernel adds
-    split-K partial sums with atomics (vllm/lora/ops/triton_ops, split_k=64 for small batches),
-    so runs differ in the last bits, and on a random-weight model near-tied greedy tokens flip.
-    The first position's top-5 distribution is stable to ~1e-3 under that noise, while another
-    adapter moves it by whole nats.
-    """
-    tops, versions = [], []
-    for prompt in ([5, 6, 7, 8], [50, 60]):
-        body: dict[str, Any] = {"prompt": [prompt], "max_tokens": 1, "temperature": 0.0, "logprobs": 5,
-                                "return_tokens_as_token_ids": True}
-        if model is not None:
-            body["model"] = model
-        response = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
-        assert response.status_code == 200, response.text
-        tops.append(response.json()["choices"][0]["logprobs"]["top_logprobs"][0])
-        versions.append(response.json()["adapter_version"])
-    return tops, versions
-
-
-def same_distribution(before: list[dict[str, float]], after: list[dict[str, float]]) -> bool:
-    for top_before, top_after in zip(before, after, strict=True):
-        shared = top_before.keys() & top_after.keys()
-        if len(shared) < 4:  # one swap at the top-5 boundary is noise
-            return False
-        if any(abs(top_before[t] - top_after[t]) >= 0.05 for t in shared):
-            return False
-    return True
-
-
-def active_version(server: RunningServer) -> int | None:
-    adapter = server.health()["adapter"]
-    return adapter["version"] if adapter else None
 
 
 @pytest.fixture

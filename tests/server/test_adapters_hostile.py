@@ -25,8 +25,8 @@ import pytest
 
 from grpo_api.adapters import MANIFEST_NAME
 from tests.fixtures.server import RunningServer, start_server
+from tests.fixtures.server_requests import active_version, first_token_distribution, same_distribution
 from tests.server.adapters import LoraMaker, add_manifest_entry, edit_config, rewrite_tensors
-from tests.server.test_adapters import active_version, first_token_distribution, same_distribution
 
 MAX_RANK = 8
 BASE = "tiny:base"

@@ -14,8 +14,9 @@ import pytest
 
 from grpo_api.protocol import ADAPTER_VERSION_HEADER
 from tests.fixtures.server import RunningServer, start_server
+from tests.fixtures.server_requests import complete
+from tests.fixtures.waiting import consistently
 from tests.server.adapters import LoraMaker
-from tests.server.test_adapters import complete
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +119,7 @@ def test_pause_holds_new_generations_until_resume_and_wait_returns_once_running_
     answers: list[httpx.Response] = []
     waiting = threading.Thread(target=lambda: answers.append(complete(server)))
     waiting.start()
-    time.sleep(1.5)
-    assert not answers, "a generation ran while paused"
+    consistently(lambda: not answers, 1.5, what="no generation while paused")
     assert httpx.post(server.url + "/resume", headers=server.auth, timeout=30).json()["status"] == "resumed"
     waiting.join(60)
     assert answers and answers[0].status_code == 200

@@ -20,9 +20,10 @@ import pytest
 
 from grpo_api.weight_transfer import WEIGHTS_VERSION_HEADER
 from grpo_server.engines.gloo_weights import STORE_PREFIX
+from tests.fixtures.models import mlp_and_norm_names
 from tests.fixtures.server import RunningServer, free_port, start_server
+from tests.fixtures.server_requests import complete, post, token_ids
 from tests.server.adapters import LoraMaker
-from tests.server.test_adapters import complete, token_ids
 
 pytestmark = pytest.mark.slow
 
@@ -33,19 +34,6 @@ def server(served_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
                            server_overrides={"maxLoraRank": 8, "maxLoras": 2})
     yield running
     running.stop(timeout=10)
-
-
-def post(server: RunningServer, path: str, body: dict[str, object] | None = None,
-         auth: bool = True, timeout: float = 180) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, headers=server.auth if auth else {}, timeout=timeout)
-
-
-def mlp_and_norm_names(model_dir: Path) -> list[str]:
-    """The tensors `scaled` changes (the last decoder layer's MLP and the final norm), checkpoint names."""
-    config = json.loads((model_dir / "config.json").read_text())
-    last = config["num_hidden_layers"] - 1
-    return [f"model.layers.{last}.mlp.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")] + [
-        "model.norm.weight"]
 
 
 def shapes(server: RunningServer, model_dir: Path, names: list[str]) -> list[list[int]]:

@@ -23,8 +23,8 @@ import pytest
 from grpo_api.weight_transfer import WEIGHTS_VERSION_HEADER
 from grpo_server.engines.gloo_weights import STORE_PREFIX
 from tests.fixtures.server import RunningServer, free_port, start_server
+from tests.fixtures.server_requests import post
 from tests.server.adapters import LoraMaker
-from tests.server.test_weight_transfer import post
 
 pytestmark = pytest.mark.slow
 

@@ -29,9 +29,9 @@ import httpx
 import pytest
 
 from grpo_api.weight_transfer import WEIGHTS_VERSION_HEADER
+from tests.fixtures.models import mlp_and_norm_names
 from tests.fixtures.server import ENV_OVERRIDES, RunningServer, start_server
-from tests.server.test_adapters import token_ids
-from tests.server.test_weight_transfer import mlp_and_norm_names
+from tests.fixtures.server_requests import token_ids
 
 
 def cuda_and_vllm() -> bool:

@@ -19,17 +19,10 @@ from grpo_api.adapters import list_versions
 from grpo_trainer.checkpoints import ATTEMPT_RECORD, AttemptFence, latest_complete, mark_complete
 from grpo_trainer.errors import AttemptSuperseded
 from grpo_trainer.publish import TMP_PREFIX, AdapterStore
+from tests.fixtures.adapter_folders import saver
 from tests.fixtures.server import RunningServer
-from tests.trainer.test_publish import saver
-from tests.trainer.test_trainer_with_server import (
-    REPO,
-    cli_env,
-    complete_checkpoints,
-    grpo_train,
-    token_fraction,
-    trainer_config,
-    wait_for,
-)
+from tests.fixtures.trainer_runs import REPO, cli_env, complete_checkpoints, grpo_train, token_fraction, trainer_config
+from tests.fixtures.waiting import wait_for
 
 
 def fences(tmp_path: Path, uid: str = "run-a") -> tuple[AttemptFence, AttemptFence]:
@@ -113,7 +106,7 @@ def test_a_trainer_of_an_earlier_attempt_stops_before_its_next_checkpoint(
     trainer = subprocess.Popen(grpo_train(path), env=cli_env(GRPO_ATTEMPT="1"), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
-        wait_for(lambda: complete_checkpoints(root), 240, trainer, "a complete checkpoint")
+        wait_for(lambda: complete_checkpoints(root), 240, interval=0.1, what="a complete checkpoint", proc=trainer)
         AttemptFence(cfg.run.uid, 2, (root, Path(cfg.paths.adapter_root))).claim()
         claimed = set(complete_checkpoints(root)) | set(int(p.name.split("-")[1]) for p in root.glob("checkpoint-*"))
         out, _ = trainer.communicate(timeout=60)

@@ -10,18 +10,7 @@ from datasets import Dataset, DatasetDict
 
 from grpo_api.models import DatasetSpec
 from grpo_trainer.data import DatasetError, load_prompts
-
-
-class Tokenizer:
-    """Whitespace 'tokenizer' (loading a real one is covered by the server tests)."""
-
-    chat_template = "{{ messages }}"
-
-    def __call__(self, text: str) -> dict:
-        return {"input_ids": text.split()}
-
-    def apply_chat_template(self, messages, add_generation_prompt: bool, tokenize: bool) -> list:
-        return [*" ".join(m["content"] for m in messages).split(), "<assistant>"]
+from tests.fixtures.tokenizers import Tokenizer
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

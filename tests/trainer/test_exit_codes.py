@@ -25,7 +25,7 @@ from grpo_trainer.errors import (
 )
 from grpo_trainer.rewards import RewardConfigError
 from tests.fixtures.server import RunningServer
-from tests.trainer.test_trainer_with_server import REPO, cli_env, grpo_train, token_fraction, trainer_config
+from tests.fixtures.trainer_runs import REPO, cli_env, grpo_train, token_fraction, trainer_config
 
 
 @pytest.mark.parametrize(

@@ -19,13 +19,13 @@ from safetensors.torch import load_file
 
 from grpo_api.adapters import version_dir
 from tests.fixtures.server import start_server
-from tests.trainer.test_multiprocess import next_attempt
-from tests.trainer.test_trainer_with_server import (
+from tests.fixtures.trainer_runs import (
     PUBLISH_LINE,
     STEP_LINE,
     cli_env,
     complete_checkpoints,
     grpo_train,
+    next_attempt,
     token_fraction,
     trainer_config,
 )

@@ -20,7 +20,7 @@ import pytest
 from grpo_trainer.errors import ServerMismatch
 from grpo_trainer.runner import run_training
 from tests.fixtures.server import RunningServer, start_server
-from tests.trainer.test_trainer_with_server import read_progress, token_fraction, trainer_config
+from tests.fixtures.trainer_runs import read_progress, token_fraction, trainer_config
 
 pytestmark = pytest.mark.slow
 

@@ -33,9 +33,10 @@ from grpo_trainer.replicas import LAGGARD_SECONDS, ServerPool, static_discovery
 from grpo_trainer.runner import run_training
 from grpo_trainer.sync import AdapterSync
 from tests.fixtures.server import RunningServer, free_port, start_server
+from tests.fixtures.server_requests import completion_requests
+from tests.fixtures.trainer_runs import read_progress, token_fraction, trainer_config
+from tests.fixtures.waiting import wait_for
 from tests.server.adapters import LoraMaker
-from tests.trainer.test_replicas import completion_requests
-from tests.trainer.test_trainer_with_server import read_progress, token_fraction, trainer_config, wait_for
 
 #: What the generation timeout is in these tests: before the fix a hung replica cost each sync this much.
 GENERATION_TIMEOUT = 60.0
@@ -207,10 +208,11 @@ def test_a_run_with_a_frozen_replica_finishes_on_the_other_and_reports_the_lagga
 
     def chaos() -> None:
         try:
-            wait_for(lambda: progress_file.is_file() and read_progress(cfg).step >= 2, 300, what="step 2")
+            wait_for(lambda: progress_file.is_file() and read_progress(cfg).step >= 2, 300, interval=0.1,
+                     what="step 2")
             thaw.append(freeze(b))
             frozen_at = time.time()
-            wait_for(lambda: read_progress(cfg).step >= 6, 300, what="step 6")
+            wait_for(lambda: read_progress(cfg).step >= 6, 300, interval=0.1, what="step 6")
             seen.append((frozen_at, read_progress(cfg)))
             thaw.pop()()
         except BaseException as exc:
@@ -237,7 +239,7 @@ def test_a_run_with_a_frozen_replica_finishes_on_the_other_and_reports_the_lagga
     assert [r.url for r in during.lagging_replicas] == [b.url], during
     assert frozen_at - 1 <= during.lagging_replicas[0].since.timestamp() <= time.time()
     assert progress.lagging_replicas == [] or [r.url for r in progress.lagging_replicas] == [b.url]
-    wait_for(lambda: b.health()["adapter"]["version"] >= progress.adapter_version - 1, 60,
+    wait_for(lambda: b.health()["adapter"]["version"] >= progress.adapter_version - 1, 60, interval=0.1,
              what="the thawed replica to catch up")
 
 

@@ -22,8 +22,8 @@ from grpo_trainer import data
 from grpo_trainer.data import DatasetError, load_prompts
 from grpo_trainer.errors import RewardFunctionFailed
 from grpo_trainer.rewards import RewardConfigError, RewardContext, build_rewards
-from tests.trainer.test_data import Tokenizer
-from tests.trainer.test_prepare import invoke, spec_with, write_config
+from tests.fixtures.prepare_cli import invoke, spec_with, write_config
+from tests.fixtures.tokenizers import Tokenizer
 
 # --------------------------------------------------------------------------------------------------- dataset
 

@@ -10,15 +10,16 @@ import httpx
 import pytest
 
 from grpo_api.models import TrainerSpec
-from grpo_api.runconfig import RunConfig, ServerEndpoints
+from grpo_api.runconfig import ServerEndpoints
 from grpo_trainer.errors import InvalidSpec
 from grpo_trainer.launch import attempt_exit_code, check_gpus, left_codes, torchrun_argv, world_size
 from tests.fixtures.server import RunningServer, free_port, start_server
-from tests.trainer.test_trainer_with_server import (
+from tests.fixtures.trainer_runs import (
     PUBLISH_LINE,
     STEP_LINE,
     cli_env,
     grpo_train,
+    next_attempt,
     token_fraction,
     trainer_config,
 )
@@ -71,18 +72,6 @@ def test_the_attempt_ends_with_rank_0_s_code_else_the_lowest_failing_rank_s_else
     assert attempt_exit_code({0: 3, 1: 2}, 1) == 3
     assert attempt_exit_code({2: 0, 3: 0}, 0) == 0
     assert attempt_exit_code({}, 1) == 1
-
-
-def next_attempt(cfg: RunConfig, path: Path, *, max_steps: int, attempt: int) -> str:
-    """Run `grpo train` again as attempt `attempt`, now to max_steps; its output (it must succeed)."""
-    more = cfg.model_copy(update={"spec": cfg.spec.model_copy(update={
-        "trainer": cfg.spec.trainer.model_copy(update={"max_steps": max_steps})})})
-    path.write_text(more.to_yaml())
-    done = subprocess.run(grpo_train(path), env=cli_env(GRPO_ATTEMPT=str(attempt)), capture_output=True, text=True,
-                          timeout=600)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-6000:]
-    return out
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from click.testing import CliRunner, Result
+from click.testing import Result
 
 from grpo_api.models import GRPORun
 from grpo_api.prepare_protocol import (
@@ -28,9 +28,9 @@ from grpo_api.prepare_protocol import (
 )
 from grpo_api.runconfig import RunConfig, RunConfigError, load_run_config, run_config_for
 from grpo_api.sources import DATASET_TOKEN_ENV, MODEL_TOKEN_ENV, ResolvedSources, hub_snapshot_dir, local_sources
-from grpo_cli.main import cli
 from grpo_trainer.prepare import FetchProgress, PrepareFailed, Reporter, write_inline_rewards
 from tests.fixtures.hub import FakeHub, repo_files, running_hub
+from tests.fixtures.prepare_cli import invoke, spec_with, write_config
 
 TOKEN = "hf_secret_TOKEN_0123456789"
 
@@ -60,10 +60,6 @@ def closed_port() -> int:
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-
-
-def invoke(config: Path) -> Result:
-    return CliRunner().invoke(cli, ["prepare", "--config", str(config)], catch_exceptions=False)
 
 
 def events(result: Result) -> list[PrepareEvent]:
@@ -120,24 +116,6 @@ def commit_dir(run_file: Path, commit: str) -> Path:
     """The folder of one commit of the run's hf:// model."""
     (fetch,) = local_sources_of(run_file).fetches
     return Path(hub_snapshot_dir(fetch.local_dir, commit))
-
-
-def write_config(tmp_path: Path, spec: dict[str, Any], sources: ResolvedSources) -> Path:
-    """A run-config as the operator renders it: sources resolved, no fetches."""
-    run = GRPORun.model_validate({"metadata": {"name": "prep"}, "spec": spec})
-    cfg: RunConfig = run_config_for(run, volume_root=tmp_path / "volume", server_url="http://127.0.0.1:1",
-                                    token_file=None, base_dir=tmp_path, sources=sources)
-    path = tmp_path / "run-config.yaml"
-    path.write_text(cfg.to_yaml())
-    return path
-
-
-def spec_with(rewards: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    return {
-        "model": {"name": "tiny", "source": "pvc://models/tiny"},
-        "dataset": {"source": "pvc://data/prompts", "path": "prompts.jsonl"},
-        "rewards": rewards or [{"function": "exact_match"}],
-    }
 
 
 def unique_module() -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -10,18 +9,7 @@ import pytest
 from grpo_api.adapters import list_versions, verify_manifest
 from grpo_trainer.errors import TrainingFailed
 from grpo_trainer.publish import AdapterStore
-
-LORA_CONFIG = {"peft_type": "LORA", "r": 8, "bias": "none", "use_dora": False, "modules_to_save": None,
-               "target_modules": ["q_proj", "v_proj"]}
-
-
-def saver(config: dict | None = None, payload: bytes = b"weights"):
-    def save(directory: Path) -> None:
-        directory.mkdir(parents=True)
-        (directory / "adapter_config.json").write_text(json.dumps(config or LORA_CONFIG))
-        (directory / "adapter_model.safetensors").write_bytes(payload)
-
-    return save
+from tests.fixtures.adapter_folders import LORA_CONFIG, saver
 
 
 def test_publish_writes_complete_versions_whose_manifest_verifies(tmp_path: Path):

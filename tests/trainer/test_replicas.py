@@ -7,7 +7,6 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from grpo_api.runconfig import ServerEndpoints, load_run_config
@@ -15,13 +14,9 @@ from grpo_trainer.client import BACKOFF_CAP_SECONDS
 from grpo_trainer.replicas import dns_discovery, group_seed, split_groups, static_discovery
 from grpo_trainer.runner import run_training
 from tests.fixtures.server import RunningServer, free_port, start_server
-from tests.trainer.test_trainer_with_server import (
-    STEP_LINE,
-    read_progress,
-    token_fraction,
-    trainer_config,
-    wait_for,
-)
+from tests.fixtures.server_requests import completion_requests
+from tests.fixtures.trainer_runs import STEP_LINE, read_progress, token_fraction, trainer_config
+from tests.fixtures.waiting import wait_for
 
 
 def test_prompt_groups_are_contiguous_balanced_and_never_empty():
@@ -43,12 +38,6 @@ def test_replicas_are_found_by_dns_or_given_as_addresses():
     assert "http://127.0.0.1:8123" in dns_discovery("localhost", 8123)()
     assert dns_discovery("no-such-service.invalid", 80)() == []
     assert static_discovery(["http://a:1/", "http://b:2"])() == ["http://a:1", "http://b:2"]
-
-
-def completion_requests(server: RunningServer) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    return sum(float(m.group(1)) for m in re.finditer(
-        r'^grpo_server_requests_total\{[^}]*endpoint="/v1/completions"[^}]*status="200"[^}]*\} (\S+)$', text, re.M))
 
 
 HOLD_REWARD = """
@@ -97,12 +86,12 @@ def test_two_replicas_share_the_work_a_lost_one_is_replaced_by_the_other_and_a_r
         def chaos() -> None:
             try:
                 wait_for(lambda: Path(cfg.paths.progress_file).is_file() and read_progress(cfg).step >= 6, 400,
-                         what="step 6")
+                         interval=0.1, what="step 6")
                 served_by_b.append(completion_requests(b))
                 b.kill()
-                wait_for(lambda: read_progress(cfg).step >= 10, 400, what="step 10")
+                wait_for(lambda: read_progress(cfg).step >= 10, 400, interval=0.1, what="step 10")
                 hold.touch()
-                wait_for(held.exists, 120, what="training to wait in the reward")
+                wait_for(held.exists, 120, interval=0.1, what="training to wait in the reward")
                 restarted.append(start_server(work, tiny_model_dir, port=b.port))
                 # Catch-ups are tried when a batch asks for ready replicas, no sooner than the backoff the last
                 # failed try set (at most BACKOFF_CAP_SECONDS): past it, the first batch after the hold starts

@@ -14,92 +14,39 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from grpo_api.adapters import list_versions, verify_manifest, version_dir
 from grpo_api.fingerprint import model_fingerprint
-from grpo_api.models import GRPORunSpec
-from grpo_api.protocol import TrainingProgress
-from grpo_api.runconfig import RunConfig, load_run_config
-from grpo_testmodels import target_token_ids
 from grpo_trainer.errors import AdapterSyncFailed, RewardFunctionFailed
 from grpo_trainer.metrics import METRIC_NAMES
 from grpo_trainer.runner import run_training
 from tests.fixtures.server import RunningServer, free_port, start_server
+from tests.fixtures.trainer_runs import (
+    PUBLISH_LINE,
+    REPO,
+    STEP_LINE,
+    clear_adapter,
+    cli_env,
+    complete_checkpoints,
+    grpo_train,
+    read_progress,
+    token_fraction,
+    trainer_config,
+)
+from tests.fixtures.waiting import wait_for
 
 pytestmark = pytest.mark.slow
-
-REPO = Path(__file__).resolve().parents[2]
-STEP_LINE = re.compile(r"^step (\d+)/(\d+) reward (\S+)", re.M)
-PUBLISH_LINE = re.compile(r"^published adapter v(\d+) \(step (\d+), ([^)]*)\).*weights sha256 (\w+)", re.M)
 
 
 @pytest.fixture(autouse=True)
 def _no_metrics_port(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GRPO_TRAINER_METRICS_PORT", "0")
-
-
-def clear_adapter(server: RunningServer) -> None:
-    """Give the next from-scratch run a server with no adapter active."""
-    response = httpx.post(f"{server.url}/clear_lora_adapter/", headers=server.auth, timeout=30)
-    assert response.status_code == 200, response.text
-    assert server.health()["adapter"] is None
-
-
-def trainer_config(
-    server: RunningServer,
-    work: Path,
-    *,
-    dataset: Path,
-    rewards: list[dict[str, Any]],
-    trainer: dict[str, Any],
-    model_dir: Path | None = None,
-    server_url: str | None = None,
-) -> tuple[RunConfig, Path]:
-    """The run-config a trainer for this server reads: same adapter root, own checkpoints and progress."""
-    base = load_run_config(server.run_config_path)
-    spec = base.spec.model_dump(by_alias=True, exclude_none=True)
-    if model_dir is not None:
-        spec["model"]["path"] = str(model_dir)
-    spec["dataset"] = {"path": str(dataset)}
-    spec["rewards"] = rewards
-    spec["trainer"] = {"lora": {"r": 8, "alpha": 16}, "numGenerations": 4, "perDeviceBatchSize": 8,
-                       "maxCompletionLength": 8, "learningRate": 0.03, "seed": 0, **trainer}
-    paths = base.paths.model_copy(update={"checkpoint_dir": str(work / "checkpoints"),
-                                          "progress_file": str(work / "progress.json")})
-    cfg = base.model_copy(update={"spec": GRPORunSpec.model_validate(spec), "paths": paths,
-                                  "server_url": server_url or base.server_url})
-    work.mkdir(parents=True, exist_ok=True)
-    path = work / "run-config.yaml"
-    path.write_text(cfg.to_yaml())
-    return cfg, path
-
-
-def read_progress(cfg: RunConfig) -> TrainingProgress:
-    return TrainingProgress.model_validate_json(Path(cfg.paths.progress_file).read_text())
-
-
-def token_fraction(model_dir: Path) -> dict[str, Any]:
-    low, high = target_token_ids(model_dir)
-    return {"function": "token_fraction", "args": {"low": low, "high": high}}
-
-
-def cli_env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
-           "GRPO_TRAINER_METRICS_PORT": "0", **extra}
-    env.pop("GRPO_TOKEN", None)
-    return env
-
-
-def grpo_train(config: Path) -> list[str]:
-    return [sys.executable, "-m", "grpo_cli.main", "train", "--config", str(config)]
 
 
 # ----------------------------------------------------------------------------------------- sync and pruning
@@ -313,21 +260,6 @@ def test_an_unreachable_server_fails_clearly_after_the_configured_timeout(
 # ------------------------------------------------------------------------------------- kill -9 and resume
 
 
-def wait_for(predicate: Any, timeout: float, proc: subprocess.Popen[str] | None = None, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"process exited with {proc.returncode} while waiting for {what}")
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def complete_checkpoints(root: Path) -> list[int]:
-    return sorted(int(p.name.split("-")[1]) for p in root.glob("checkpoint-*") if (p / "grpo-complete.json").is_file())
-
-
 def test_kill_9_then_restart_resumes_from_the_checkpoint_and_continues_the_step_count(
     tiny_server: RunningServer, tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path,
 ):
@@ -341,7 +273,8 @@ def test_kill_9_then_restart_resumes_from_the_checkpoint_and_continues_the_step_
     first = subprocess.Popen(grpo_train(path), env=cli_env(GRPO_ATTEMPT="1", GRPO_TRAINER_METRICS_PORT=str(port)),
                              stdout=first_log, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
-        wait_for(lambda: complete_checkpoints(ckpt_root), 240, first, "the first complete checkpoint")
+        wait_for(lambda: complete_checkpoints(ckpt_root), 240, interval=0.1, what="the first complete checkpoint",
+                 proc=first)
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
         for name in ("grpo_trainer_step", "grpo_trainer_sync_seconds_count", "grpo_trainer_reward_mean"):
             assert f"\n{name} " in metrics or metrics.startswith(f"{name} ")
@@ -392,7 +325,7 @@ def test_a_server_restart_mid_run_is_noticed_the_adapter_reloaded_and_the_run_fi
 
         def restart_at_step_3() -> None:
             try:
-                wait_for(lambda: progress_file.is_file() and read_progress(cfg).step >= 3, 300,
+                wait_for(lambda: progress_file.is_file() and read_progress(cfg).step >= 3, 300, interval=0.1,
                          what="step 3")
                 server.kill()
                 replacement.append(start_server(tmp_path / "server", tiny_model_dir, port=server.port))

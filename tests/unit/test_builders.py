@@ -11,39 +11,11 @@ from pydantic import ValidationError
 from grpo_api.models import GRPORun
 from grpo_api.runconfig import RunConfig
 from grpo_operator import builders as b
-
-
-def make_run(name: str = "r1", mode: str = "server", **spec: Any) -> GRPORun:
-    body: dict[str, Any] = {
-        "metadata": {"name": name, "namespace": "team", "uid": "uid-1", "generation": 1},
-        "spec": {
-            "model": {"name": "tiny", "path": "/models/tiny"},
-            "dataset": {"path": "/data/prompts.jsonl"},
-            "rewards": [{"function": "token_fraction"}],
-            "mode": mode,
-            **spec,
-        },
-    }
-    return GRPORun.model_validate(body)
-
-
-def container(obj: dict[str, Any]) -> dict[str, Any]:
-    containers = obj["spec"]["template"]["spec"]["containers"]
-    assert len(containers) == 1
-    result: dict[str, Any] = containers[0]
-    return result
+from tests.fixtures.child_manifests import container, make_run, mounts_of, volumes_of
 
 
 def env_of(obj: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e["value"] for e in container(obj)["env"]}
-
-
-def mounts_of(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {m["name"]: m for m in container(obj)["volumeMounts"]}
-
-
-def volumes_of(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {v["name"]: v for v in obj["spec"]["template"]["spec"]["volumes"]}
 
 
 def all_children(run: GRPORun) -> list[dict[str, Any]]:

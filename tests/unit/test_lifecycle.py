@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +19,6 @@ from grpo_api.lifecycle import (
     HealthCheck,
     Observation,
     Provision,
-    RequeueAfter,
     StopServer,
     TrainerState,
     decide,
@@ -30,87 +28,8 @@ from grpo_api.lifecycle import (
     wants_health,
 )
 from grpo_api.models import GRPORunSpec, GRPORunStatus, Phase, Reason
-from grpo_api.protocol import ActiveAdapter, HealthResponse, TrainingProgress
-
-T0 = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.UTC)
-
-
-def at(seconds: float) -> dt.datetime:
-    return T0 + dt.timedelta(seconds=seconds)
-
-
-def make_spec(mode: str = "server", **policy: Any) -> GRPORunSpec:
-    data: dict[str, Any] = {
-        "model": {"name": "tiny"},
-        "dataset": {"path": "/data/prompts.jsonl"},
-        "rewards": [{"function": "token_fraction"}],
-        "mode": mode,
-        "runPolicy": policy,
-    }
-    return GRPORunSpec.model_validate(data)
-
-
-def healthy(
-    boot_id: str = "boot-2",
-    adapter: int | None = None,
-    progress: TrainingProgress | None = None,
-    code: int = 200,
-) -> HealthCheck:
-    active = (
-        ActiveAdapter(
-            name=f"policy-v{adapter}", version=adapter, path=f"/data/adapters/r/v{adapter}", loaded_at=at(1)
-        )
-        if adapter is not None
-        else None
-    )
-    body = HealthResponse(
-        status="ok" if code == 200 else "loading",
-        boot_id=boot_id,
-        model="tiny",
-        model_fingerprint="f",
-        engine="transformers",
-        adapter=active,
-        uptime_seconds=1.0,
-        progress=progress,
-    )
-    return HealthCheck(reachable=True, status_code=code, body=body)
-
-
-UNREACHABLE = HealthCheck(reachable=False, error="connection refused")
-
-
-def status(
-    phase: Phase = Phase.PENDING,
-    attempt: int = 0,
-    boot_id: str | None = None,
-    ready: bool = False,
-    attempt_started: float | None = 0.0,
-    start: float | None = 0.0,
-    completed: float | None = None,
-    reason: str | None = None,
-    failed: int = 0,
-    sources_ready: bool | None = None,
-) -> GRPORunStatus:
-    st = GRPORunStatus(phase=phase, attempt=attempt, reason=reason, failed_attempts=failed)
-    # Past the initializer unless told otherwise: every phase but Pending and Initializing.
-    st.sources.ready = phase not in (Phase.PENDING, Phase.INITIALIZING) if sources_ready is None else sources_ready
-    st.server.boot_id = boot_id
-    st.server.ready = ready
-    if phase != Phase.PENDING:
-        st.attempt_started_at = at(attempt_started) if attempt_started is not None else None
-        st.start_time = at(start) if start is not None else None
-    if completed is not None:
-        st.completion_time = at(completed)
-    return st
-
-
-def non_meta(decision: Decision) -> list[object]:
-    """The actions other than events and requeues."""
-    return [a for a in decision.actions if not isinstance(a, Emit | RequeueAfter)]
-
-
-def events(decision: Decision) -> list[tuple[str, str]]:
-    return [(e.type, e.reason) for e in decision.of_type(Emit)]
+from grpo_api.protocol import TrainingProgress
+from tests.fixtures.lifecycle_decisions import UNREACHABLE, at, events, healthy, make_spec, non_meta, status
 
 
 @dataclass

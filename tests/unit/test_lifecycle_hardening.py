@@ -21,7 +21,7 @@ from grpo_api.lifecycle import (
     troubled,
 )
 from grpo_api.models import ConditionType, GRPORunStatus, Phase, Reason
-from tests.unit.test_lifecycle import UNREACHABLE, at, events, healthy, make_spec, non_meta, status
+from tests.fixtures.lifecycle_decisions import UNREACHABLE, at, events, healthy, make_spec, non_meta, status
 
 
 def server_actions(decision: Decision) -> list[object]:

@@ -35,7 +35,7 @@ from grpo_api.sources import (
     parse_source,
 )
 from grpo_operator import builders as b
-from tests.unit.test_builders import container, make_run, mounts_of, volumes_of
+from tests.fixtures.child_manifests import container, make_run, mounts_of, volumes_of
 
 
 def run_config(run: GRPORun) -> RunConfig:

@@ -13,8 +13,8 @@ import pytest
 from grpo_api.models import GRPORun
 from grpo_api.sources import HubSource, cluster_layout, hub_dir, hub_key, local_sources
 from grpo_operator import builders as b
-from tests.unit.test_api_models import refusal, run_with
-from tests.unit.test_builders import make_run
+from tests.fixtures.child_manifests import make_run
+from tests.fixtures.run_specs import refusal, run_with
 
 
 def refused(spec_patch: dict[str, Any], loc: str, text: str) -> None:
