@@ -6,7 +6,7 @@
 #   hack/build-testbin.sh            # build what is missing, print the bin dir
 #   GRPO_TESTBIN=/some/dir hack/...  # use another cache root
 #   hack/build-testbin.sh etcd k8s   # only these (targets: etcd k8s helm promtool prometheus coredns pause actionlint
-#                                    #   containerd)
+#                                    #   containerd registry)
 #
 # k8s is kube-apiserver, kube-controller-manager, kubectl (the integration tests' control plane) and
 # kube-scheduler, kubelet, kube-proxy (the real node of hack/cluster.sh), in one go build.
@@ -28,6 +28,8 @@ COREDNS_VERSION=${COREDNS_VERSION:-1.15.0}
 CONTAINERD_VERSION=${CONTAINERD_VERSION:-2.4.2}
 # The linter of the release workflow (.github/workflows/release.yml).
 ACTIONLINT_VERSION=${ACTIONLINT_VERSION:-1.7.12}
+# The real node's image and chart registry (the CNCF distribution registry; hack/cluster.sh).
+REGISTRY_VERSION=${REGISTRY_VERSION:-3.1.2}
 # The control plane for the integration tests and the node agents for the real-node tests share most
 # packages: one go build of all six pays for them once.
 K8S_BINARIES="kube-apiserver kube-controller-manager kubectl kube-scheduler kubelet kube-proxy"
@@ -187,7 +189,21 @@ build_containerd() {  # containerd, its runc shim and ctr; containerd.version sa
   cd /; rm -rf "$d"
 }
 
-targets=${*:-etcd k8s helm promtool prometheus coredns pause containerd actionlint}
+build_registry() {  # the distribution registry with the filesystem storage driver only (no cloud SDKs)
+  [ -x "$BIN/registry" ] && [ "$(cat "$BIN/registry.version" 2>/dev/null)" = "$REGISTRY_VERSION" ] && return
+  log "building the distribution registry v$REGISTRY_VERSION (filesystem storage only)"
+  local d; d=$(wrapper registry); cd "$d"
+  go mod edit -require="github.com/distribution/distribution/v3@v$REGISTRY_VERSION"
+  # cmd/registry also links the azure, gcs and s3 drivers and the pull-through proxy; the node needs none
+  printf 'package main\nimport (\n\t"github.com/distribution/distribution/v3/registry"\n\t_ "github.com/distribution/distribution/v3/registry/storage/driver/filesystem"\n)\nfunc main() { _ = registry.RootCmd.Execute() }\n' > main.go
+  go mod tidy >/dev/null 2>&1 || true
+  go build -trimpath -ldflags "-s -w -X github.com/distribution/distribution/v3/version.version=v$REGISTRY_VERSION" \
+    -o "$BIN/registry" .
+  echo "$REGISTRY_VERSION" > "$BIN/registry.version"
+  cd /; rm -rf "$d"
+}
+
+targets=${*:-etcd k8s helm promtool prometheus coredns pause containerd actionlint registry}
 for t in $targets; do
   # One builder per tool at a time: a second caller (another test session) waits, then finds it built.
   ( flock 9; "build_$t" ) 9>"$BIN/.build-$t.lock"

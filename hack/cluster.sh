@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # A real single-node Kubernetes cluster on this machine, for the end-to-end tests (tests/e2e) and for
 # trying the operator by hand: etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
-# containerd (CRI), kubelet, kube-proxy (iptables) and CoreDNS, as background processes of root.
+# containerd (CRI), kubelet, kube-proxy (iptables), CoreDNS and an OCI registry (the CNCF distribution
+# registry at localhost:5001, plain HTTP, which containerd pulls from), as background processes of root.
 #
 #   hack/cluster.sh deps          # install the Debian packages the node and hack/images.sh need
 #   hack/cluster.sh up            # build/fetch what is missing, start, wait for the node and DNS
-#   hack/cluster.sh images        # import the project's images (hack/images.sh build) into containerd
-#   hack/cluster.sh images A.tar  # import these image archives (e.g. hack/images.sh data)
+#   hack/cluster.sh images        # push the project's images (hack/images.sh build) to the node's registry as
+#                                 # localhost:5001/grpo-dev/NAME:KEY (the pod sandbox image is imported)
+#   hack/cluster.sh images A.tar  # import these image archives into containerd as they are
+#   hack/cluster.sh push A.tar REF  # push an archive (e.g. hack/images.sh data) to the registry as REF
 #   hack/cluster.sh volumes       # (re)make the pool of hostPath PersistentVolumes; Released ones are wiped
 #   hack/cluster.sh env           # print `export KUBECONFIG=...` and the tool paths
 #   hack/cluster.sh down          # stop everything and undo what `up` changed on the machine
 #   hack/cluster.sh down --purge  # ... and delete the cluster's state (etcd, certificates, volumes), keeping
-#                                 # the imported images; --purge-all deletes those too
+#                                 # the image store and the registry's storage; --purge-all deletes those too
 #
 # Kubernetes, etcd, CoreDNS and containerd 2 binaries come from hack/build-testbin.sh (Go module proxy,
 # cached under ~/.cache); runc, the CNI plugins and iptables from Debian (apt-get, once). Everything the
@@ -32,6 +35,8 @@ SOCK=$RUN/containerd.sock
 NODE=grpo-node
 SVC_CIDR=10.0.0.0/24 POD_SUBNET=10.244.0.0/24 DNS_IP=10.0.0.10 API_PORT=6443 BRIDGE=grpo0
 VOLUME_COUNT=${GRPO_NODE_VOLUMES:-32} VOLUME_SIZE=20Gi
+REGISTRY_PORT=${GRPO_NODE_REGISTRY_PORT:-5001} REGISTRY_NAMESPACE=grpo-dev
+REGISTRY=localhost:$REGISTRY_PORT
 APT_PACKAGES="runc containernetworking-plugins iptables conntrack ethtool socat kmod iproute2 curl openssl
               buildah mmdebstrap skopeo uidmap fuse-overlayfs"   # the last line: hack/images.sh
 
@@ -40,7 +45,7 @@ say() { awk -v a="$t0" -v b="$(date +%s%N)" -v m="$*" 'BEGIN {printf "[cluster %
 die() { echo "[cluster] $*" >&2; exit 1; }
 
 testbin() {
-  GRPO_TESTBIN_DIR=${GRPO_TESTBIN_DIR:-$(bash "$REPO/hack/build-testbin.sh" etcd k8s coredns pause containerd)}
+  GRPO_TESTBIN_DIR=${GRPO_TESTBIN_DIR:-$(bash "$REPO/hack/build-testbin.sh" etcd k8s coredns pause containerd registry)}
   BIN=$GRPO_TESTBIN_DIR
 }
 node_ip() { ip -4 route get 1.1.1.1 2>/dev/null | sed -nE 's/.* src ([0-9.]+).*/\1/p'; }   # a route lookup, no traffic
@@ -144,6 +149,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
   snapshotter = "overlayfs"
   [plugins."io.containerd.cri.v1.images".pinned_images]
     sandbox = "$PAUSE_IMAGE"
+  [plugins."io.containerd.cri.v1.images".registry]
+    config_path = "$CONF/certs.d"   # hosts.toml per registry: the node's own speaks plain HTTP
 [plugins."io.containerd.cri.v1.runtime"]
   enable_unprivileged_ports = true
   enable_unprivileged_icmp = true
@@ -161,6 +168,18 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
     bin_dirs = ["/usr/lib/cni"]
     conf_dir = "$CONF/cni"
 TOML
+  mkdir -p "$CONF/certs.d/$REGISTRY"
+  write_file "$CONF/certs.d/$REGISTRY/hosts.toml" <<TOML
+server = "http://$REGISTRY"
+[host."http://$REGISTRY"]
+  capabilities = ["pull", "resolve"]
+TOML
+  write_file "$CONF/registry.yml" <<YAML
+version: 0.1
+log: {level: warn, accesslog: {disabled: false}}
+storage: {filesystem: {rootdirectory: "$STATE/registry"}}
+http: {addr: "127.0.0.1:$REGISTRY_PORT"}
+YAML
   mkdir -p "$CONF/cni"
   write_file "$CONF/cni/10-grpo-bridge.conflist" <<JSON
 {"cniVersion": "1.0.0", "name": "grpo-node", "plugins": [
@@ -224,7 +243,7 @@ COREFILE
 # ------------------------------------------------------------------------------------------------- up
 up() {
   [ "$(id -u)" = 0 ] || die "needs root (kubelet, containerd, iptables)"
-  mkdir -p "$STATE"/{kubelet,cni,etcd,volumes} "$LOG" "$PKI" "$CONF" "$RUN/pids"
+  mkdir -p "$STATE"/{kubelet,cni,etcd,volumes,registry} "$LOG" "$PKI" "$CONF" "$RUN/pids"
   packages
   testbin
   PAUSE_IMAGE=$(bash "$REPO/hack/images.sh" build pause | awk '$1 ~ /^localhost\/pause:/ {print $1}')
@@ -270,7 +289,10 @@ up() {
     containerd_up || die "containerd did not open $SOCK"
     say "containerd up"
   fi
-  import_images pause
+  # the registry logs each request (tests read which manifests were pulled); no OpenTelemetry export
+  running registry || start_process registry env OTEL_TRACES_EXPORTER=none "$BIN/registry" serve "$CONF/registry.yml"
+  wait_healthy registry "http://127.0.0.1:$REGISTRY_PORT/v2/"
+  import_images
   running kubelet || start_process kubelet "$BIN/kubelet" --config="$CONF/kubelet.yaml" \
     --kubeconfig="$CONF/kubelet.kubeconfig" --root-dir="$STATE/kubelet" --cert-dir="$STATE/kubelet/pki" \
     --hostname-override=$NODE --node-ip="$NODE_IP" --v=1
@@ -353,26 +375,46 @@ YAML
 }
 
 # ----------------------------------------------------------------------------------------------- images
-import_images() {  # import_images [NAME-PREFIX] : archives from hack/images.sh, skipping what is there
-  local filter=${1:-} ref archive present current stale
-  current=$(bash "$REPO/hack/images.sh" list)
+import_images() {  # import_images : the pod sandbox image (pinned by containerd) from its archive
+  local ref archive present keep stale
   present=$(ctr_ images ls -q 2>/dev/null)   # (a cgroup v1 host makes ctr warn on every call)
-  # Older builds of the project's images go first (containerd then collects their layers), so the
-  # node's image store holds one build of each, not one per change of the sources.
-  stale=$(grep -E '^localhost/(pause|grpo-(base|operator|server|trainer)):' <<<"$present" \
-    | grep -vxFf <(cut -d' ' -f1 <<<"$current") || true)
+  # The project's images come from the registry; what containerd holds of older builds goes first (it
+  # then collects their layers), so the node's store holds one build of each, not one per change.
+  keep=$(bash "$REPO/hack/images.sh" list | awk -v r="$REGISTRY/$REGISTRY_NAMESPACE/" '
+    $1 ~ /^localhost\/pause:/ {print $1} $1 ~ /^localhost\/grpo-(operator|server|trainer):/ {print r substr($1, 11)}')
+  stale=$(grep -E "^(localhost/(pause|grpo-(base|operator|server|trainer))|$REGISTRY/$REGISTRY_NAMESPACE/grpo-[a-z]+):" \
+    <<<"$present" | grep -vxFf <(echo "$keep") || true)
   if [ -n "$stale" ]; then
     # shellcheck disable=SC2086
     ctr_ images rm --sync $stale >/dev/null 2>&1 || true
     present=$(ctr_ images ls -q 2>/dev/null)
   fi
+  read -r ref archive < <(bash "$REPO/hack/images.sh" list | grep '^localhost/pause:')
+  grep -qxF "$ref" <<<"$present" && return
+  [ -s "$archive" ] || die "no archive for $ref: run hack/images.sh build pause"
+  ctr_ images import "$archive" >/dev/null
+  say "imported $ref"
+}
+
+push_images() {  # the project's images from hack/images.sh to the registry, skipping what it holds
+  local ref archive name
   while read -r ref archive; do
-    case $ref in localhost/$filter*) ;; *) continue ;; esac
-    grep -qxF "$ref" <<<"$present" && continue
+    case $ref in localhost/grpo-operator:*|localhost/grpo-server:*|localhost/grpo-trainer:*) ;; *) continue ;; esac
+    name=${ref#localhost/}
     [ -s "$archive" ] || die "no archive for $ref: run hack/images.sh build"
-    ctr_ images import "$archive" >/dev/null
-    say "imported $ref"
-  done <<<"$current"
+    push_archive "$archive" "$REGISTRY/$REGISTRY_NAMESPACE/$name" --if-absent   # tagged by input hash
+  done <<<"$(bash "$REPO/hack/images.sh" list)"
+}
+
+push_archive() {  # push_archive ARCHIVE REF [--if-absent] : a docker-archive to the node's registry
+  local repo=${2#"$REGISTRY"/} tag=${2##*:} s
+  repo=${repo%:*}
+  if [ "${3:-}" = --if-absent ] && [ "$(curl -s -o /dev/null -w '%{http_code}' -I -H 'Accept: application/vnd.oci.image.manifest.v1+json' \
+      -H 'Accept: application/vnd.docker.distribution.manifest.v2+json' \
+      "http://$REGISTRY/v2/$repo/manifests/$tag")" = 200 ]; then return; fi
+  s=$(date +%s)
+  skopeo copy --quiet --dest-tls-verify=false "docker-archive:$1" "docker://$2" >/dev/null
+  say "pushed $2 ($(( $(date +%s) - s ))s)"
 }
 
 import_archives() {  # import_archives ARCHIVE... : other images (hack/images.sh data), as they are
@@ -397,7 +439,7 @@ down() {
     for c in $(ctr_ containers ls -q 2>/dev/null); do ctr_ containers delete "$c" >/dev/null 2>&1 || true; done
   fi
   stop_process containerd
-  for n in kube-scheduler kube-controller-manager kube-apiserver etcd; do stop_process $n; done
+  for n in kube-scheduler kube-controller-manager kube-apiserver etcd registry; do stop_process $n; done
   local f m ns
   for f in $(find "$RUN/containerd" -name shim.pid 2>/dev/null); do kill -KILL "$(cat "$f")" 2>/dev/null || true; done
   # mounts under our directories (pod volumes, overlays, sandbox shm), deepest first
@@ -430,8 +472,8 @@ down() {
   fi
   rm -f "$RUN/netns.before"
   case ${1:-} in
-    --purge)   # the cluster's state goes; the image store (a cache, keyed by content) stays
-      find "$STATE" -mindepth 1 -maxdepth 1 ! -name containerd -exec rm -rf {} +
+    --purge)   # the cluster's state goes; the image store and the registry (caches, keyed by content) stay
+      find "$STATE" -mindepth 1 -maxdepth 1 ! -name containerd ! -name registry -exec rm -rf {} +
       rm -rf "$RUN"
       say "state purged (images kept)" ;;
     --purge-all) rm -rf "$STATE" "$RUN"; say "state and images purged" ;;
@@ -444,13 +486,17 @@ env_() {
   testbin_quiet
   echo "export KUBECONFIG=$STATE/admin.kubeconfig"
   echo "export PATH=$BIN:\$PATH   # kubectl, helm"
+  echo "export GRPO_NODE_REGISTRY=$REGISTRY   # the node's registry: plain HTTP (helm --plain-http)"
 }
 
 case ${1:-} in
   deps) mkdir -p "$LOG"; packages ;;
   up) up ;;
   images) shift; mkdir -p "$LOG"; testbin_quiet; containerd_up || die "the cluster is not up"
-          if [ $# -gt 0 ]; then import_archives "$@"; else import_images; fi ;;
+          if [ $# -gt 0 ]; then import_archives "$@"; else import_images; push_images; fi ;;
+  push) shift; [ $# -eq 2 ] || die "usage: hack/cluster.sh push ARCHIVE REF"; mkdir -p "$LOG"; testbin_quiet
+        running registry || die "the node's registry is not running (hack/cluster.sh up)"
+        case $2 in "$REGISTRY"/*) push_archive "$1" "$2" ;; *) die "$2 is not in the node's registry $REGISTRY" ;; esac ;;
   volumes) testbin_quiet; volumes ;;
   env) env_ ;;
   down) shift; down "${1:-}" ;;

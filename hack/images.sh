@@ -9,12 +9,12 @@
 #                               # smoke-tested on this CPU machine (hack/gpu-image-smoke.sh); prints
 #                               # "REF SIZE SMOKE-LOG" for each
 #   hack/images.sh data REF DIR DEST   # an image holding only DIR at DEST (an oci:// source for the
-#                                      # tests: `hack/cluster.sh images ARCHIVE` loads it); prints ARCHIVE
+#                                      # tests: `hack/cluster.sh push ARCHIVE REF` pushes it); prints ARCHIVE
 #
 # Images are docker-archive tarballs under ~/.cache/grpo-images, each named by a hash of its inputs
 # (Dockerfile, build arguments, project files, base image), so a warm machine skips every build and
-# a changed input rebuilds only what depends on it. Tagged localhost/grpo-*:<hash>; the tests run them
-# with imagePullPolicy Never.
+# a changed input rebuilds only what depends on it. Tagged localhost/grpo-*:<hash>; `hack/cluster.sh
+# images` pushes them to the real node's registry, from which the kubelet pulls them.
 #
 # The base is Debian bookworm made by mmdebstrap (python3 + a venv at /opt/venv first on PATH), a
 # stand-in for the Dockerfiles' default python:3.12-slim that needs no registry: the Dockerfiles take

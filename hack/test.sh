@@ -34,7 +34,7 @@ checks() {
 pytest_run() {  # pytest_run ARGS...: exit code 5 (no tests collected) is a failure here
   step "pytest"
   set +e
-  "$PY" -m pytest "$@" -p no:cacheprovider
+  "$PY" -m pytest "$@" -p no:cacheprovider --durations=30 --durations-min=15
   rc=$?
   set -e
   if [ "$rc" -eq 5 ]; then

@@ -2,9 +2,12 @@
 
 `hack/images.sh build` builds the images from the project's Dockerfiles (cached by a hash of their
 inputs), `hack/cluster.sh up` starts a real single-node cluster (kubelet, containerd, CNI,
-kube-proxy, CoreDNS) and imports them. Then the tests do what a user does: `helm install` the
-chart with image overrides only (the operator's and the runs'), `grpo stage` the model onto a
-claim and the prompts and reward module into ConfigMaps, and `kubectl apply` the CPU example.
+kube-proxy, CoreDNS and an OCI registry, the CNCF distribution registry) and `hack/cluster.sh images`
+pushes the images to that registry, from which the node pulls them as it would from ghcr.io. Then
+the tests do what a user does: package the chart and push it to the registry as an OCI artifact,
+`helm install oci://…` it with image overrides only (the operator's and the runs'), `grpo stage` the
+model onto a claim and the prompts and reward module into ConfigMaps, and `kubectl apply` the CPU
+example.
 Everything is checked through the cluster's API (kubectl), never by reaching into the node's files.
 
 The cluster is stopped at the end of the session (`hack/cluster.sh down`) unless GRPO_E2E_KEEP=1.
@@ -35,6 +38,9 @@ RELEASE, RELEASE_NAMESPACE = "grpo", "grpo-system"
 MODELS_CLAIM, PROMPTS_CONFIGMAP, REWARDS_CONFIGMAP = "grpo-models", "tiny-prompts", "tiny-rewards"
 IMAGE_BUILD_TIMEOUT_S = 45 * 60
 CLUSTER_UP_TIMEOUT_S = 15 * 60
+#: The node's registry (hack/cluster.sh: plain HTTP on loopback) and where the project's images are in it.
+REGISTRY = f"localhost:{os.environ.get('GRPO_NODE_REGISTRY_PORT', '5001')}"
+IMAGE_REPOSITORY = f"{REGISTRY}/grpo-dev"
 
 
 def _run(argv: list[str], timeout: float, env: dict[str, str] | None = None, input: str | None = None,
@@ -85,9 +91,19 @@ class Node:
 
 
 def _images() -> dict[str, str]:
+    """Name -> the reference the node pulls: `localhost:5001/grpo-dev/grpo-server:<input hash>`."""
     out = _run(["bash", "hack/images.sh", "build"], IMAGE_BUILD_TIMEOUT_S).stdout
     refs = dict(line.split()[0].rsplit(":", 1) for line in out.splitlines() if line.startswith("localhost/"))
-    return {repo.removeprefix("localhost/"): f"{repo}:{tag}" for repo, tag in refs.items()}
+    names = {repo.removeprefix("localhost/"): tag for repo, tag in refs.items()}
+    return {name: f"{IMAGE_REPOSITORY}/{name}:{tag}" for name, tag in names.items()
+            if name in ("grpo-operator", "grpo-server", "grpo-trainer")}
+
+
+def node_images(node: Node) -> set[str]:
+    """The image names the kubelet reports for the node (what containerd holds, by tag and digest)."""
+    status = node.get("node", "grpo-node", None)
+    assert status is not None, "no node grpo-node"
+    return {name for image in status["status"].get("images", []) for name in image.get("names", [])}
 
 
 @pytest.fixture(scope="session")
@@ -136,14 +152,29 @@ def _clean_slate(node: Node, env: dict[str, str]) -> None:
     _run(["bash", "hack/cluster.sh", "volumes"], 300, env=env)
 
 
+def chart_version() -> str:
+    return str(yaml.safe_load((REPO / "charts" / "grpo-operator" / "Chart.yaml").read_text())["version"])
+
+
 @pytest.fixture(scope="session")
-def operator_release(node: Node) -> str:
-    """The chart, installed as the README says, with the locally built operator image."""
+def chart_ref(node: Node, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The chart packaged and pushed to the node's registry as an OCI artifact, as the release does."""
+    out = tmp_path_factory.mktemp("chart")
+    node.helm("package", str(REPO / "charts" / "grpo-operator"), "-d", str(out))
+    (package,) = out.glob("grpo-operator-*.tgz")
+    node.helm("push", str(package), f"oci://{IMAGE_REPOSITORY}/charts", "--plain-http")
+    return f"oci://{IMAGE_REPOSITORY}/charts/grpo-operator"
+
+
+@pytest.fixture(scope="session")
+def operator_release(node: Node, chart_ref: str) -> str:
+    """The chart, installed from the registry as the README says, with the locally built operator image."""
     node.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
     repository, tag = node.images["grpo-operator"].rsplit(":", 1)
-    node.helm("upgrade", "--install", RELEASE, str(REPO / "charts" / "grpo-operator"), "-n", RELEASE_NAMESPACE,
+    node.helm("upgrade", "--install", RELEASE, chart_ref, "--version", chart_version(), "--plain-http",
+              "-n", RELEASE_NAMESPACE,
               "--create-namespace", "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
-              "--set", "image.pullPolicy=Never", "--set", f"watch.namespaces={{{NAMESPACE}}}",
+              "--set", f"watch.namespaces={{{NAMESPACE}}}",
               "--set", f"runImages.server={node.images['grpo-server']}",
               "--set", f"runImages.trainer={node.images['grpo-trainer']}",
               "--wait", "--timeout", "180s")
@@ -160,8 +191,8 @@ def staged(node: Node, operator_release: str, tmp_path_factory: pytest.TempPathF
     prompts = make_dataset(work / "prompts.jsonl", model)
     grpo = str(Path(sys.executable).parent / "grpo")
     _run([grpo, "stage", "-n", NAMESPACE, "--claim", MODELS_CLAIM, "--create", "2Gi",
-          "--access-mode", "ReadWriteMany", "--image", node.images["grpo-trainer"], "--image-pull-policy", "Never",
-          f"{model}:tiny"], 600, env=node.env)
+          "--access-mode", "ReadWriteMany", "--image", node.images["grpo-trainer"],
+          "--image-pull-policy", "IfNotPresent", f"{model}:tiny"], 600, env=node.env)
     _run([grpo, "stage", "-n", NAMESPACE, "--configmap", PROMPTS_CONFIGMAP, str(prompts)], 120, env=node.env)
     _run([grpo, "stage", "-n", NAMESPACE, "--configmap", REWARDS_CONFIGMAP,
           str(REPO / "examples" / "rewards" / "target_tokens.py")], 120, env=node.env)
@@ -246,7 +277,7 @@ class VolumeReader:
                 "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
                                     "seccompProfile": {"type": "RuntimeDefault"}},
                 "containers": [{
-                    "name": "reader", "image": self.node.images["grpo-trainer"], "imagePullPolicy": "Never",
+                    "name": "reader", "image": self.node.images["grpo-trainer"], "imagePullPolicy": "IfNotPresent",
                     "command": ["python3", "-c", "import time; time.sleep(7200)"],
                     "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
                     "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}],

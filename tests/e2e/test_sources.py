@@ -11,7 +11,17 @@ import subprocess
 
 import pytest
 
-from tests.e2e.conftest import NAMESPACE, REPO, Node, describe, example_run, wait_for, wait_phase
+from tests.e2e.conftest import (
+    NAMESPACE,
+    REGISTRY,
+    REPO,
+    Node,
+    describe,
+    example_run,
+    node_images,
+    wait_for,
+    wait_phase,
+)
 from tests.fixtures.hub import repo_files, running_hub
 
 
@@ -162,11 +172,12 @@ def test_an_oci_image_model_is_mounted_as_an_image_volume_and_trained_on(
     mounted read-only by the kubelet and containerd 2 in every pod of the run (Kubernetes image volumes)."""
     from grpo_testmodels import make_model
 
-    run, ref = "from-image", "localhost/grpo-e2e-model:tiny"
+    run, ref = "from-image", f"{REGISTRY}/grpo-e2e/model:tiny"
     model = make_model(tmp_path_factory.mktemp("image") / "tiny", preset="tiny", seed=0)
-    archive = subprocess.run(["bash", "hack/images.sh", "data", ref, str(model), "/models/tiny"], cwd=REPO,
-                             check=True, capture_output=True, text=True, timeout=600).stdout.strip()
-    subprocess.run(["bash", "hack/cluster.sh", "images", archive], cwd=REPO, check=True, timeout=300,
+    archive = subprocess.run(["bash", "hack/images.sh", "data", "localhost/grpo-e2e-model:tiny", str(model),
+                              "/models/tiny"], cwd=REPO, check=True, capture_output=True, text=True,
+                             timeout=600).stdout.strip()
+    subprocess.run(["bash", "hack/cluster.sh", "push", archive, ref], cwd=REPO, check=True, timeout=300,
                    env={**os.environ, **node.env})
     spec = example_run(node, run, maxSteps=4)
     spec["spec"]["model"] = {"name": "tiny-qwen2", "source": f"oci://{ref}", "path": "models/tiny",
@@ -181,3 +192,5 @@ def test_an_oci_image_model_is_mounted_as_an_image_volume_and_trained_on(
         assert volumes["src-model"]["image"]["reference"] == ref, volumes
         mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
         assert mounts["src-model"]["readOnly"] is True
+    # the image reached the node only by a pull from the registry (nothing imports it under this name)
+    wait_for(lambda: ref in node_images(node), 60, what=f"{ref} among the node's images", interval=2)
