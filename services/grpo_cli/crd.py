@@ -27,7 +27,7 @@ def crd(output: Path | None, check_path: Path | None) -> None:
             )
             click.echo("".join(diff), err=True)
             raise click.ClickException(
-                f"{check_path} is out of date with services/grpo_api/models.py; regenerate it with "
+                f"{check_path} is out of date with the models in services/grpo_api/spec/; regenerate it with "
                 f"`grpo crd -o {check_path}`"
             )
         click.echo(f"{check_path} matches the models")
