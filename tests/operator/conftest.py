@@ -411,7 +411,3 @@ def initializers(request: pytest.FixtureRequest) -> Iterator[InitializerKubelet 
     with InitializerKubelet(kube) as kubelet:
         yield kubelet
 
-
-@pytest.fixture
-def wait() -> Callable[..., Any]:
-    return wait_for
