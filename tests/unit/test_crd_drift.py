@@ -1,5 +1,6 @@
 """The checked-in CRD is exactly what the API models generate."""
 
+import re
 from pathlib import Path
 
 from grpo_api.crd import CRD_FILE, build_crd, render_crd
@@ -33,3 +34,24 @@ def test_every_spec_field_has_a_description() -> None:
     walk(schema["properties"]["spec"], "spec")
     walk(schema["properties"]["status"], "status")
     assert not missing, missing
+
+
+def test_descriptions_carry_no_measurements() -> None:
+    """`kubectl explain` says what a field does; what it measured on which card lives in BENCHMARKS.md."""
+    measured = re.compile(r"\b[AH]\d00\b|\d+(\.\d+)?x\b|tokens/s|\d s a step|ms a step")
+    found: list[str] = []
+
+    def walk(node: object, path: str) -> None:
+        if isinstance(node, dict):
+            text = node.get("description")
+            match = measured.search(text) if isinstance(text, str) else None
+            if match:
+                found.append(f"{path}: {match.group(0)!r}")
+            for key, child in node.items():
+                walk(child, f"{path}.{key}")
+        elif isinstance(node, list):
+            for i, child in enumerate(node):
+                walk(child, f"{path}[{i}]")
+
+    walk(build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"], "")
+    assert not found, found

@@ -111,9 +111,8 @@ class ServerSpec(PodSettings):
         "sampler, streamed with every decoding step (costly in vLLM 0.26). auto: when the processed "
         "logprobs equal the model's own (temperature 1, no top-k/top-p/min-p, no penalties, no "
         "alternatives asked), generate without logprobs and score the completions in one prefill pass; "
-        "otherwise the sampler. Measured on vLLM 0.26 (H200, BENCHMARKS.md), auto is slower: the prefill "
-        "pass costs more than the transport it saves (0.78x the sampler's throughput), so sampler is the "
-        "default.",
+        "otherwise the sampler. On vLLM 0.26 auto measured slower (the prefill pass costs more than the "
+        "transport it saves; BENCHMARKS.md), so sampler is the default.",
     )
     extra_engine_args: dict[str, Any] = Field(
         default_factory=dict,

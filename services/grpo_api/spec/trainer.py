@@ -279,9 +279,8 @@ class TrainerSpec(PodSettings):
         "the shared volume and loaded by the server (vLLM's LoRA kernels at generation). merged: every weight, "
         "the target modules' with the adapter merged in (W + scale·BA), pushed like full fine-tuning's "
         "(server.weightTransfer), so the server generates on plain weights; checkpoints keep the adapter and "
-        "the last one is published to the volume at the end. On one H200 (ipc, 20 steps, 32 × 256 tokens) "
-        "merged measured 1.68 s a step against 2.03 s with adapter and 2.02 s for TRL colocate (BENCHMARKS.md); "
-        "across GPUs it needs nccl, which needs vLLM in the trainer image.",
+        "the last one is published to the volume at the end. On one GPU (ipc) merged measured faster than adapter "
+        "(BENCHMARKS.md); across GPUs it needs nccl, which needs vLLM in the trainer image.",
     )
     num_generations: int = Field(default=8, ge=2, le=1024, description="Completions per prompt (the group).")
     max_completion_length: int = Field(default=256, ge=1, description="Maximum generated tokens per completion.")
