@@ -40,10 +40,7 @@ from typing import Any, Protocol
 import httpx
 
 from grpo_api.protocol import HealthResponse, LaggingReplica, SetAdapterRequest
-from grpo_trainer.errors import AdapterSyncFailed, ServerUnavailable, TrainingFailed
-from grpo_trainer.metrics import TrainerMetrics
-from grpo_trainer.transport.adapter_store import PublishedAdapter
-from grpo_trainer.transport.server_client import (
+from grpo_trainer.client import (
     BACKOFF_CAP_SECONDS,
     BACKOFF_START_SECONDS,
     AdapterRefused,
@@ -51,6 +48,9 @@ from grpo_trainer.transport.server_client import (
     ServerClient,
     backoff_delays,
 )
+from grpo_trainer.errors import AdapterSyncFailed, ServerUnavailable, TrainingFailed
+from grpo_trainer.metrics import TrainerMetrics
+from grpo_trainer.publish import PublishedAdapter
 
 #: Refusals worth retrying: the server was busy loading another adapter.
 RETRYABLE_REFUSALS = frozenset({"adapter_load_busy"})
