@@ -180,6 +180,9 @@ def test_an_interrupted_fetch_is_transient_and_the_next_run_fetches_only_what_is
     monkeypatch.setenv(MODEL_TOKEN_ENV, TOKEN)
     run_file = hub_run_file(tmp_path, hub.url, tiny_dataset)
     local = commit_dir(run_file, repo.commit)
+    others = [name for name in repo_files(tiny_model_dir) if name != "model.safetensors"]
+    # the 500 comes once the other files are complete, as on a hub that fails the largest file late
+    hub.fail_when = lambda: all((local / name).is_file() for name in others)
 
     first = invoke(run_file)
 
@@ -191,8 +194,7 @@ def test_an_interrupted_fetch_is_transient_and_the_next_run_fetches_only_what_is
     assert json.loads(termination_log.read_text()) == {"grpoPrepare": "failed", "message": failed.message,
                                                        "permanent": False}
     missing = {name for name in repo_files(tiny_model_dir) if not (local / name).is_file()}
-    assert "model.safetensors" in missing
-    assert len(missing) < 6  # the others were kept
+    assert missing == {"model.safetensors"}  # the others were kept
     assert not list(local.rglob("*.incomplete"))
     hub.requests.clear()
 
