@@ -62,24 +62,12 @@ def set_pinning(on: bool) -> None:
             module.PIN_MEMORY = on
 
 
-def set_gpu_resident(on: bool) -> None:
-    """Make the worker's LoRA loads put the tensors on the GPU (vLLM loads them to "cpu")."""
-    from vllm.lora.lora_model import LoRAModel
+def set_gpu_resident(llm: Any, on: bool) -> str:
+    """The server's own switch (grpo_server/engines/vllm_lora_load.py, through vLLM's worker extension and
+    collective_rpc): the worker's LoRA loads put the tensors on its GPU (vLLM loads them to "cpu")."""
+    from grpo_server.engines.vllm_lora_load import SET_DEVICE
 
-    original = getattr(LoRAModel, "_grpo_original_from_local_checkpoint", None)
-    if original is None:
-        original = LoRAModel.__dict__["from_local_checkpoint"]
-        LoRAModel._grpo_original_from_local_checkpoint = original  # type: ignore[attr-defined]
-    if not on:
-        LoRAModel.from_local_checkpoint = original  # type: ignore[method-assign]
-        return
-    load = original.__func__
-
-    def on_gpu(cls: Any, *args: Any, **kwargs: Any) -> Any:
-        kwargs["device"] = "cuda"
-        return load(cls, *args, **kwargs)
-
-    LoRAModel.from_local_checkpoint = classmethod(on_gpu)  # type: ignore[method-assign,assignment]
+    return ",".join(map(str, llm.collective_rpc(SET_DEVICE, args=(on,))))
 
 
 def top(profile: cProfile.Profile, key: str, lines: int) -> str:
@@ -141,21 +129,25 @@ def main() -> None:
 
     from vllm import LLM
 
+    from grpo_server.engines.vllm_lora_load import EXTENSION
+
     dirs = bf16_versions(args.adapter, args.work, args.versions)
     size = sum(p.stat().st_size for p in dirs[0].iterdir())
     started = time.perf_counter()
     llm = LLM(model=str(args.model), dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=32,
-              max_cpu_loras=4, enforce_eager=True, gpu_memory_utilization=0.4, max_model_len=1024)
+              max_cpu_loras=4, enforce_eager=True, gpu_memory_utilization=0.4, max_model_len=1024,
+              worker_extension_cls=EXTENSION)
     engine_start = time.perf_counter() - started
     results = {"engine_start_s": engine_start, "adapter_bytes": size, "variants": []}
     variants = (("stock", True, False), ("unpinned", False, False), ("gpu-resident", True, True),
                 ("stock-again", True, False))
     for i, (name, pinned, on_gpu) in enumerate(variants):
         set_pinning(pinned)
-        set_gpu_resident(on_gpu)
+        where = set_gpu_resident(llm, on_gpu)
         variant = run_variant(llm, name, dirs, first_id=1 + i * 100, warmup=args.warmup)
+        variant["loads_onto"] = where
         results["variants"].append(variant)
-        print(f"{name}: add_lora p50 {variant['add_lora_p50_s'] * 1000:.1f} ms, mean "
+        print(f"{name} (loads onto {where}): add_lora p50 {variant['add_lora_p50_s'] * 1000:.1f} ms, mean "
               f"{variant['add_lora_mean_s'] * 1000:.1f} ms; first generate p50 "
               f"{variant['first_generate_p50_s'] * 1000:.1f} ms", flush=True)
     args.out.write_text(json.dumps(results, indent=1))

@@ -8,7 +8,8 @@
 #
 # Both: the entrypoint's command and its --help start; vLLM imports with its compiled extension
 # (vllm._C_stable_libtorch in 0.26, built for the torch beside it) and is the version pyproject.toml pins. Server: `grpo serve
-# --engine vllm` on a tiny model gets as far as asking for a GPU and fails saying so. Trainer: the modules
+# --engine vllm` on a tiny model gets as far as asking for a GPU and fails saying so, and the vLLM surface its
+# GPU-resident adapter loads rely on is there. Trainer: the modules
 # the trainer needs from vLLM (the NCCL weight transfer) and TRL import, and the initializer's own check
 # (grpo_trainer.image_capabilities) finds what a run that sends weights over nccl needs.
 set -euo pipefail
@@ -74,6 +75,15 @@ print("NCCLWeightTransferEngine", NCCLWeightTransferEngine.__name__, "trl", trl.
 ' 2>&1 | tail -1 || fail "the trainer image cannot send weights over nccl"
   exit 0
 fi
+
+step "the vLLM surface the server's GPU-resident adapter loads rely on (engines/vllm_lora_load.py)"
+out=$(in_image python -c '
+from grpo_server.engines.vllm_lora_load import surface_problems
+problems = surface_problems()
+assert not problems, problems
+print("worker_extension_cls, LoRAModel.from_local_checkpoint(device=), WorkerLoRAManager._lora_model_cls: present")
+' 2>&1) || fail "the server image's vLLM lacks what GPU-resident adapter loads need: $(tail -3 <<<"$out")"
+tail -1 <<<"$out"
 
 step "grpo serve --engine vllm on a tiny model: asks for a GPU and says so"
 PYTHONPATH="$REPO/services" "$REPO/.venv/bin/python" -m grpo_cli.main make-model --preset tiny "$work/model" >/dev/null

@@ -12,6 +12,7 @@
 #   bash bench/gpu/session.sh weight-transfer-tests  # vLLM weight transfer (ipc) on the vllm engine, pytest
 #   bash bench/gpu/session.sh trl-async              # TRL 1.16 AsyncGRPOTrainer (LoRA sync) vs vllm serve or grpo serve
 #   bash bench/gpu/session.sh gen-weights            # a pushed-weights server (no LoRA) + logprobs vs LLM.generate plain
+#   bash bench/gpu/session.sh lora-load              # where add_lora's time goes: vLLM's host loads vs the server's GPU-resident ones
 #   bash bench/gpu/session.sh gpu-share              # two processes on one GPU: decode-shaped loop beside training (MPS=1: also under MPS)
 # trl-async with SERVER=vllm needs watchfiles (vllm serve imports it; the bundle lacks it): carry its wheel in p1,
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -163,6 +164,13 @@ gen_weights() {
   tail -4 "$OUT/gen_offline_quick.log" "$OUT/gen_http_weights.log"
 }
 
+lora_load() {
+  log "add_lora profile: stock, unpinned, gpu-resident (the server's default), stock again"
+  timeout ${LORA_TIMEOUT:-400} $PY bench/lora_load_profile.py --model $M --adapter $A --out "$OUT/lora_load.json" \
+    > "$OUT/lora_load.log" 2>&1
+  grep -E "add_lora p50|Error|error" "$OUT/lora_load.log" | grep -v "^INFO" | head -12
+}
+
 gpu_share() {
   log "one GPU, two processes (time slices${MPS:+, and MPS})"
   timeout 300 $PY bench/gpu_share.py --out "$OUT/gpu_share.json" ${MPS:+--mps} > "$OUT/gpu_share.log" 2>&1
@@ -174,7 +182,7 @@ for phase in "$@"; do
   case $phase in
     prep) prep ;; weight-transfer-tests) weight_transfer_tests ;; server-tests) server_tests ;; hardening-tests) hardening_tests ;; grpo) grpo ;; gen-offline) gen_offline ;; gen-server) gen_server ;;
     lora-decode) lora_decode ;; trainer-gpu-tests) trainer_gpu_tests ;;
-    trl-async) trl_async ;; gpu-share) gpu_share ;; gen-weights) gen_weights ;;
+    trl-async) trl_async ;; gpu-share) gpu_share ;; lora-load) lora_load ;; gen-weights) gen_weights ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done

@@ -130,7 +130,7 @@ class GenerationService:
             shapes = await asyncio.to_thread(linear_shapes, settings.model_dir)
             engine = create_engine(
                 self.engine_kind, settings.model_dir, settings.served_model_name, settings.server, tokenizer,
-                weight_transfer=settings.weight_transfer,
+                weight_transfer=settings.weight_transfer, adapter_loads=settings.adapter_loads,
             )
             await engine.start()
             self.fingerprint = await fingerprint

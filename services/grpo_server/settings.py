@@ -23,6 +23,10 @@ MAX_HEADER_BYTES = 64 * 1024
 HTTP_HEAD_BUFFER_BYTES = 1024 * 1024
 #: Set to 1 to let requests carry their own chat_template (Jinja run in the server): off by default.
 ENV_ALLOW_CHAT_TEMPLATES = "GRPO_SERVER_ALLOW_CHAT_TEMPLATES"
+#: Where the vllm engine's workers load adapters: `gpu` (the default: straight onto the worker's GPU,
+#: engines/vllm_lora_load.py) or `host` (vLLM's own load into pinned host memory).
+ENV_ADAPTER_LOADS = "GRPO_SERVER_ADAPTER_LOADS"
+ADAPTER_LOADS = ("gpu", "host")
 #: Listen address unless told otherwise: pods pass 0.0.0.0 explicitly.
 DEFAULT_HOST = "127.0.0.1"
 #: How long SIGTERM waits for in-flight requests before closing them.
@@ -50,6 +54,8 @@ class ServerSettings:
     #: The run's attempt this server belongs to ($GRPO_ATTEMPT, set by the operator and `grpo run`): requests
     #: tagged with an earlier attempt are refused. None (a server started by hand): no attempt is checked.
     attempt: int | None = None
+    #: Where the vllm engine loads adapters (ADAPTER_LOADS); the transformers engine ignores it.
+    adapter_loads: str = "gpu"
 
 
 def env_flag(name: str) -> bool:
@@ -63,6 +69,14 @@ def attempt_from(raw: str | None) -> int | None:
     if not raw.strip().isdigit() or len(raw.strip()) > 9:
         raise ValueError(f"${ENV_ATTEMPT}={raw[:40]!r} must be a whole number (the run's attempt)")
     return int(raw)
+
+
+def adapter_loads_from(raw: str | None) -> str:
+    """${ENV_ADAPTER_LOADS}: gpu (unset or empty) or host."""
+    value = (raw or "gpu").strip().lower() or "gpu"
+    if value not in ADAPTER_LOADS:
+        raise ValueError(f"${ENV_ADAPTER_LOADS}={str(raw)[:40]!r} must be one of {', '.join(ADAPTER_LOADS)}")
+    return value
 
 
 def settings_from_config(
@@ -100,4 +114,5 @@ def settings_from_config(
         ),
         weight_transfer=resolve_weight_transfer(config.spec, os.environ.get(ENV_WEIGHT_TRANSFER)),
         attempt=attempt_from(os.environ.get(ENV_ATTEMPT)),
+        adapter_loads=adapter_loads_from(os.environ.get(ENV_ADAPTER_LOADS)),
     )

@@ -132,3 +132,12 @@ def test_the_vllm_engine_without_vllm_or_a_gpu_says_which_is_missing_and_names_t
     refusal = r"^spec.server.engine vllm: this image has no vLLM .* engine transformers"
     with pytest.raises(EngineUnavailable, match=refusal):
         create_engine("vllm", tmp_path, "m", ServerSpec(), tokenizer=None)  # type: ignore[arg-type]
+
+
+def test_where_the_vllm_engine_loads_adapters_is_gpu_unless_the_env_says_host_and_nothing_else_is_taken():
+    from grpo_server.settings import ENV_ADAPTER_LOADS, adapter_loads_from
+
+    assert adapter_loads_from(None) == adapter_loads_from("") == adapter_loads_from(" GPU ") == "gpu"
+    assert adapter_loads_from("host") == "host"
+    with pytest.raises(ValueError, match=rf"^\${ENV_ADAPTER_LOADS}='disk' must be one of gpu, host$"):
+        adapter_loads_from("disk")

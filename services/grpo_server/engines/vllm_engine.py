@@ -62,6 +62,8 @@ from grpo_server.engines.logprobs import (
     sampled_logprobs,
 )
 from grpo_server.engines.ray_stand_in import provide_ray_stand_in
+from grpo_server.engines.vllm_lora_load import EXTENSION as LORA_LOAD_EXTENSION
+from grpo_server.engines.vllm_lora_load import SET_DEVICE as SET_LORA_LOAD_DEVICE
 from grpo_server.engines.vllm_weights import BACKENDS, VllmWeightReceiver
 from grpo_server.sampling import MAX_LOGPROBS
 
@@ -74,7 +76,8 @@ log = logging.getLogger(__name__)
 
 
 def engine_args(
-    model_dir: Path, served_name: str, server: ServerSpec, weight_transfer: str | None = None
+    model_dir: Path, served_name: str, server: ServerSpec, weight_transfer: str | None = None,
+    adapter_loads: str = "gpu",
 ) -> AsyncEngineArgs:
     """AsyncEngineArgs from the run's server section; extraEngineArgs override the rest.
 
@@ -84,6 +87,10 @@ def engine_args(
     undone, by checkpoint name through the model's `load_weights`, and its LoRA wrappers move every
     linear layer's weight to `<layer>.base_layer.weight`, where those loaders do not look (vLLM 0.26);
     a full fine-tuning run serves no adapter anyway.
+
+    `adapter_loads` gpu mixes `vllm_lora_load.LoraLoadDevice` into vLLM's worker (`worker_extension_cls`), so
+    that the server can switch the workers' adapter loads onto their GPU once the engine is up; host leaves
+    vLLM's loads as shipped. A `worker_extension_cls` in extraEngineArgs wins: the loads then stay vLLM's.
     """
     kwargs: dict[str, Any] = {
         "model": str(model_dir),
@@ -106,6 +113,8 @@ def engine_args(
     }
     if weight_transfer is not None:
         kwargs["weight_transfer_config"] = {"backend": weight_transfer}
+    if adapter_loads == "gpu":
+        kwargs["worker_extension_cls"] = LORA_LOAD_EXTENSION
     kwargs.update(server.extra_engine_args)
     if kwargs.get("weight_transfer_config") is not None and "enable_lora" not in server.extra_engine_args:
         kwargs["enable_lora"] = False
@@ -122,11 +131,13 @@ class VllmEngine:
 
     def __init__(
         self, model_dir: Path, served_name: str, server: ServerSpec, tokenizer: PreTrainedTokenizerBase,
-        weight_transfer: str | None = None,
+        weight_transfer: str | None = None, adapter_loads: str = "gpu",
     ) -> None:
         if weight_transfer is not None and weight_transfer not in BACKENDS:
             raise ValueError(f"weight_transfer: {weight_transfer!r} is not one of {', '.join(BACKENDS)} (or None: off)")
-        self._args = engine_args(model_dir, served_name, server, weight_transfer)
+        self._args = engine_args(model_dir, served_name, server, weight_transfer, adapter_loads)
+        #: where the workers load adapters, once started: their device ("cuda:0"), "cpu" (vLLM's own) or "no-lora"
+        self.adapter_load_device: str | None = None
         self._tokenizer = tokenizer
         self.logprobs_source = str(server.logprobs_source)
         self._llm: AsyncLLM | None = None
@@ -152,7 +163,14 @@ class VllmEngine:
             provide_ray_stand_in()
         # Built off the event loop so /health answers 503 while it loads; AsyncLLM starts its
         # output handler on the first request, inside the loop.
-        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self._args)
+        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self._args)
+        self._llm = llm
+        if self._args.enable_lora and self._args.worker_extension_cls == LORA_LOAD_EXTENSION:
+            where = await llm.collective_rpc(SET_LORA_LOAD_DEVICE, args=(True,))
+            self.adapter_load_device = ",".join(sorted(set(map(str, where))))
+        else:
+            self.adapter_load_device = "cpu" if self._args.enable_lora else "no-lora"
+        log.info("vLLM workers load adapters onto %s", self.adapter_load_device)
 
     @property
     def llm(self) -> AsyncLLM:
