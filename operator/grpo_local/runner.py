@@ -220,7 +220,10 @@ class LocalRun:
 
     def trainer_state(self, attempt: int) -> tuple[TrainerState, str, bool]:
         """The attempt's trainer process: its state, what it said, and whether it failed permanently (it
-        exited with EXIT_INVALID_SPEC: a configuration problem, in its own words in its termination log)."""
+        exited with EXIT_INVALID_SPEC: a configuration problem, in its own words in its termination log).
+        It is never seen as preempted: no scheduler takes a local process away and says so (a Pod's
+        DisruptionTarget), and a process killed from outside (a signal, the OOM killer) is told from a crash
+        by nothing, so it counts as a failed attempt."""
         child = self.trainers.get(attempt)
         if child is not None and child.poll() is not None and child.alive():
             # The launcher ended, processes of its attempt did not (torchrun, ranks): the attempt ends with them.

@@ -718,7 +718,8 @@ def build_trainer_job(
 
     A trainer that exits with EXIT_INVALID_SPEC (a configuration problem no retry fixes) fails the Job by
     its podFailurePolicy, so its Failed condition says `PodFailurePolicy` and the run fails without
-    another attempt.
+    another attempt. A pod preempted or evicted (DisruptionTarget) fails it by another rule of the policy,
+    which its Failed condition's message names: the next attempt does not count against backoffLimit.
 
     With spec.trainer.numNodes > 1 it is an Indexed Job of that many pods, all started together, under
     the subdomain of the trainer's headless Service; each learns rank 0's address from GRPO_MASTER_ADDR
@@ -770,6 +771,11 @@ def build_trainer_job(
                     "action": "FailJob",
                     "onExitCodes": {"containerName": TRAINER, "operator": "In", "values": [EXIT_INVALID_SPEC]},
                 },
+                # A pod preempted or evicted fails the Job too (backoffLimit 0 would), but the Job's Failed
+                # condition then names the DisruptionTarget rule, which outlives the pod: the operator starts
+                # the next attempt without counting it against the run's backoffLimit. Not Ignore: the Job would
+                # replace the pod inside the attempt, beside a server that already serves later adapters.
+                {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget"}]},
             ]
         },
         "template": {

@@ -25,6 +25,11 @@ from grpo_operator.builders import (
 
 #: The reason of a Job's Failed condition when a FailJob rule of its podFailurePolicy matched.
 POD_FAILURE_POLICY = "PodFailurePolicy"
+#: The pod condition of a pod preempted, evicted or deleted by a controller (Kubernetes' PodDisruptionConditions).
+DISRUPTION_TARGET = "DisruptionTarget"
+#: How the Job controller's Failed message names a FailJob rule that matched a pod condition ("Pod NS/NAME has
+#: condition DisruptionTarget matching FailJob rule at index 1"): the trainer Job's rule for a disrupted pod.
+_DISRUPTION_RULE_MATCHED = f"has condition {DISRUPTION_TARGET} matching"
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,9 @@ class PodInfo:
     running: bool = False
     #: Its IP (status.podIP); "" until it has one.
     ip: str = ""
+    #: Why it was preempted, evicted or deleted from outside (its DisruptionTarget condition's reason and
+    #: message), "" when it was not.
+    disruption: str = ""
 
 
 @dataclass(frozen=True)
@@ -75,8 +83,15 @@ class JobInfo:
 
     @property
     def failed_by_policy(self) -> bool:
-        """A FailJob rule of its podFailurePolicy failed it (the trainer's rule: EXIT_INVALID_SPEC)."""
-        return self.state == TrainerState.FAILED and self.reason == POD_FAILURE_POLICY
+        """The FailJob rule of its podFailurePolicy on an exit code failed it (the trainer's: EXIT_INVALID_SPEC)."""
+        return self.state == TrainerState.FAILED and self.reason == POD_FAILURE_POLICY and not self.failed_by_disruption
+
+    @property
+    def failed_by_disruption(self) -> bool:
+        """The FailJob rule of its podFailurePolicy on the DisruptionTarget condition failed it: a pod of it was
+        preempted or evicted. The Job keeps saying so after that pod is gone."""
+        return (self.state == TrainerState.FAILED and self.reason == POD_FAILURE_POLICY
+                and _DISRUPTION_RULE_MATCHED in self.message)
 
 
 @dataclass(frozen=True)
@@ -148,6 +163,11 @@ class Children:
         is deleting because the Job failed (their exit is the stop, not the cause)."""
         pods = sorted(self.job_pods(job_name), key=lambda p: p.terminating)
         return next((f"pod {p.name}: {p.problem}" for p in pods if p.problem), "")
+
+    def disruption(self, job_name: str) -> str:
+        """Which pod of the Job was preempted or evicted and why ("" when none was)."""
+        return next((f"pod {p.name}: {DISRUPTION_TARGET} {p.disruption}" for p in self.job_pods(job_name)
+                     if p.disruption), "")
 
     def stray_pods(self) -> list[str]:
         """Pods under the run's name that none of this run's Jobs or its Deployment made, described: before
@@ -286,7 +306,17 @@ def pod_info(body: dict[str, Any]) -> PodInfo:
         ),
         running=any("running" in (c.get("state") or {}) for c in status.get("containerStatuses") or []),
         ip=str(status.get("podIP") or ""),
+        disruption=disruption(conditions),
     )
+
+
+def disruption(conditions: list[dict[str, Any]]) -> str:
+    """The reason and message of a true DisruptionTarget condition (EvictionByEvictionAPI, PreemptionByScheduler,
+    DeletionByTaintManager, TerminationByKubelet, DeletionByPodGC), "" when there is none."""
+    for cond in conditions:
+        if cond.get("type") == DISRUPTION_TARGET and cond.get("status") == "True":
+            return _short(": ".join(str(v) for v in (cond.get("reason") or "disrupted", cond.get("message")) if v))
+    return ""
 
 
 def _terminations(status: dict[str, Any]) -> list[dict[str, Any]]:

@@ -18,7 +18,7 @@ import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, assert_never
+from typing import Any, NamedTuple, assert_never
 
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
@@ -321,7 +321,7 @@ def observe(
     attempt = status.attempt
     server_mode = run.spec.mode == Mode.SERVER
     older = len(children.older_server_pods(attempt)) if server_mode and attempt > 0 else 0
-    trainer, trainer_message, trainer_failed_permanently = trainer_state(rt, run, status, children)
+    trainer = trainer_state(rt, run, status, children)
     service_url = builders.server_url(run)
     override = _server_url_override(rt, run)
     health: HealthCheck | None = None
@@ -357,9 +357,10 @@ def observe(
         older_servers_alive=older,
         health=health,
         replica_health=replica_health,
-        trainer=trainer,
-        trainer_message=trainer_message,
-        trainer_failed_permanently=trainer_failed_permanently,
+        trainer=trainer.state,
+        trainer_message=trainer.message,
+        trainer_failed_permanently=trainer.failed_permanently,
+        trainer_preempted=trainer.preempted,
         server_url=(override or service_url) if server_mode else None,
         server_message=server_said or server_message,
         server_failed_permanently=server_said is not None,
@@ -517,13 +518,26 @@ def server_trouble(children: Children, attempt: int) -> str:
     return ""
 
 
-def trainer_state(
-    rt: Runtime, run: GRPORun, status: GRPORunStatus, children: Children
-) -> tuple[TrainerState, str, bool]:
-    """The attempt's trainer Job: its state, what it said, and whether it failed permanently (its
-    podFailurePolicy failed it, or its pod exited with EXIT_INVALID_SPEC: a configuration problem)."""
+class TrainerSeen(NamedTuple):
+    """The attempt's trainer Job as the lifecycle sees it."""
+
+    state: TrainerState
+    #: What it said (the Job's condition, its pod's trouble, its termination message).
+    message: str = ""
+    #: It failed on a configuration problem (its podFailurePolicy's exit-code rule, or a pod's EXIT_INVALID_SPEC).
+    failed_permanently: bool = False
+    #: It failed because a pod of it was preempted or evicted (DisruptionTarget).
+    preempted: bool = False
+
+
+def trainer_state(rt: Runtime, run: GRPORun, status: GRPORunStatus, children: Children) -> TrainerSeen:
+    """The attempt's trainer Job: its state, what it said, whether it failed permanently (its
+    podFailurePolicy failed it, or its pod exited with EXIT_INVALID_SPEC: a configuration problem), and
+    whether it failed because a pod of it was preempted or evicted: the pod's DisruptionTarget condition
+    while the pod is there, the Job's own Failed condition (its podFailurePolicy's DisruptionTarget rule)
+    once it is gone."""
     if status.attempt < 1:
-        return TrainerState.ABSENT, "", False
+        return TrainerSeen(TrainerState.ABSENT)
     name = builders.child_names(run).trainer(status.attempt)
     job = children.job(name)
     if job is None and status.phase == Phase.TRAINING:
@@ -531,7 +545,7 @@ def trainer_state(
         raw = rt.kube.read_job(run.metadata.namespace or "default", name)
         job = job_info(raw) if raw is not None else None
     if job is None:
-        return TrainerState.ABSENT, "", False
+        return TrainerSeen(TrainerState.ABSENT)
     problem = children.trainer_problem(name) if job.state == TrainerState.FAILED else ""
     message = "; ".join(part for part in (job.message, problem) if part)
     permanent = job.state == TrainerState.FAILED and (
@@ -543,7 +557,12 @@ def trainer_state(
         pods = sorted(children.job_pods(name), key=lambda p: p.exit_code != EXIT_INVALID_SPEC)
         said = next((p.termination_message.strip() for p in pods if p.termination_message), "")
         message = said or message
-    return job.state, message, permanent
+        return TrainerSeen(job.state, message, failed_permanently=True)
+    if job.state == TrainerState.FAILED:
+        disruption = children.disruption(name)
+        if disruption or job.failed_by_disruption:
+            return TrainerSeen(job.state, disruption or job.message, preempted=True)
+    return TrainerSeen(job.state, message)
 
 
 def _server_url_override(rt: Runtime, run: GRPORun) -> str | None:

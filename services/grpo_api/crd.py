@@ -199,6 +199,8 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
      "description": "Reason of the latest phase change."},
     {"name": "Adapter", "type": "integer", "jsonPath": ".status.adapter.version", "priority": 1,
      "description": "Latest adapter version."},
+    {"name": "Preemptions", "type": "integer", "jsonPath": ".status.preemptions", "priority": 1,
+     "description": "Attempts ended by a preempted or evicted trainer pod (not counted against backoffLimit)."},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

@@ -16,7 +16,9 @@ The contract (ARCHITECTURE.md, "Lifecycle of one run"):
   adapter loaded; `serverReadyTimeoutSeconds` turns a server that never gets
   there into a failed attempt (`ServerNotReady`);
 - a failed attempt starts the next one (fresh server first, the trainer resumes
-  from its checkpoint) until `backoffLimit` failures, then the run fails; a trainer
+  from its checkpoint) until `backoffLimit` failures, then the run fails; an attempt whose trainer
+  was preempted or evicted starts the next one the same way without counting (`Preempted`, counted
+  in `status.preemptions`, up to `preemptionLimit`); a trainer
   that failed on a configuration problem no retry fixes (its exit code says so:
   `grpo_api.exit_codes.EXIT_INVALID_SPEC`) fails the run at once (`InvalidSpec`);
 - `activeDeadlineSeconds`, `suspend` and `ttlSecondsAfterFinished` behave as on
@@ -128,6 +130,9 @@ class Observation:
     #: The failed trainer exited with `grpo_api.exit_codes.EXIT_INVALID_SPEC` (on a cluster, its Job failed
     #: by its podFailurePolicy): a configuration problem that no other attempt, nor a fresh server, fixes.
     trainer_failed_permanently: bool = False
+    #: The failed trainer's pod was preempted or evicted (on a cluster, its DisruptionTarget condition; its
+    #: words in `trainer_message`): the next attempt does not count against backoffLimit.
+    trainer_preempted: bool = False
     #: Trainer progress read directly (local runner); by default the health body's relay is used.
     progress: TrainingProgress | None = None
     #: Where the executor reaches the server; recorded in status.server.url.
@@ -558,6 +563,29 @@ class _Step:
             Phase.FAILED, final, f"{message} (failed attempts: {failed}, backoffLimit: {limit})"
         )
 
+    def attempt_preempted(self, message: str) -> None:
+        """The attempt's trainer was taken away (preempted, evicted, its node drained): no fault of the run, so
+        the next attempt (a fresh server, the trainer resuming from its checkpoint) does not count against
+        backoffLimit. Each one is counted in status.preemptions; past runPolicy.preemptionLimit a preemption
+        counts as a failed attempt, so a loop of them still ends."""
+        attempt = self.status.attempt
+        self.status.preemptions += 1
+        count = self.status.preemptions
+        limit = self.spec.run_policy.preemption_limit
+        if limit is not None and count > limit:
+            self.attempt_failed(
+                Reason.TRAINER_FAILED,
+                f"{message} (preemptions: {count}, past runPolicy.preemptionLimit {limit}: counted as a failure)",
+            )
+            return
+        of = f" of {limit}" if limit is not None else ""
+        # The phase's reason is the event: Preempted, with this message.
+        self.start_attempt(
+            attempt + 1,
+            Reason.PREEMPTED,
+            f"{message}; not counted against backoffLimit (preemptions: {count}{of})",
+        )
+
     def finish(self, phase: Phase, reason: Reason, message: str) -> None:
         self.set_phase(phase, reason, message)
         self.status.completion_time = self.now
@@ -730,6 +758,8 @@ class _Step:
                 Reason.INVALID_SPEC,
                 f"trainer of attempt {attempt} failed on a configuration problem that no retry fixes{detail}",
             )
+        elif trainer == TrainerState.FAILED and self.obs.trainer_preempted:
+            self.attempt_preempted(f"trainer of attempt {attempt} was preempted{detail}")
         elif trainer == TrainerState.FAILED:
             self.attempt_failed(Reason.TRAINER_FAILED, f"trainer of attempt {attempt} failed{detail}")
         elif trainer == TrainerState.ABSENT:

@@ -55,6 +55,9 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.RECONCILED: _NORMAL,
     # The attempt goes on (the kubelet may restart the server); it fails as ServerNotReady or TrainerFailed.
     Reason.SERVER_UNHEALTHY: _WARNING,
+    # A disruption from outside, not the run's fault: the next attempt does not count against backoffLimit
+    # (one past runPolicy.preemptionLimit is counted as TrainerFailed).
+    Reason.PREEMPTED: _WARNING,
 }
 
 _missing = set(Reason) - set(REASONS)

@@ -6,6 +6,7 @@ kubelet, the Deployment and Job controllers and the garbage collector do their r
 
 from __future__ import annotations
 
+import json
 import time
 
 from tests.e2e.conftest import (
@@ -92,6 +93,45 @@ def test_trainer_pod_killed_mid_run_retries_with_a_fresh_server_and_resumes(
     second_steps = [h["step"] for h in history if h.get("attempt") == 2]
     assert first_steps and second_steps, history
     # the second attempt resumed from the last checkpoint the first one wrote, not from step 0, and finished
+    resumed_from = second_steps[0] - 1
+    assert resumed_from % CHECKPOINT_INTERVAL == 0 and resumed_from > 0, (first_steps, second_steps)
+    assert first_steps[-1] - 2 * CHECKPOINT_INTERVAL <= resumed_from <= first_steps[-1], (first_steps, second_steps)
+    assert second_steps == list(range(second_steps[0], STEPS + 1)), second_steps
+
+
+def test_trainer_pod_evicted_mid_run_resumes_in_an_attempt_not_counted_against_backoff_limit(
+        node: Node, staged: str, volume: VolumeReader) -> None:
+    """The Eviction API (what `kubectl drain`, the cluster autoscaler and a node's upgrade use): the API server
+    marks the pod DisruptionTarget, the kubelet ends it with SIGTERM, the Job's podFailurePolicy fails the Job
+    naming the disruption, and the run goes on from its checkpoint with a fresh server, preempted, not failed."""
+    run = "fault-evict"
+    node.apply(example_run(node, run, maxSteps=STEPS, checkpointInterval=CHECKPOINT_INTERVAL))
+    first = wait_step(node, run, CHECKPOINT_INTERVAL + 2, RUN_TIMEOUT_S)
+    first_boot = first["server"]["bootId"]
+    (pod,) = node.list("pod", f"grpo.dev/run={run},grpo.dev/component=trainer")
+    name = pod["metadata"]["name"]
+    eviction = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": NAMESPACE}}
+    node.kubectl("create", "--raw", f"/api/v1/namespaces/{NAMESPACE}/pods/{name}/eviction", "-f", "-",
+                 input=json.dumps(eviction))
+
+    status = wait_phase(node, run, "Succeeded", RUN_TIMEOUT_S)
+    assert status["attempt"] == 2 and status.get("failedAttempts", 0) == 0 and status["preemptions"] == 1, status
+    assert status["server"]["bootId"] and status["server"]["bootId"] != first_boot, (first_boot, status["server"])
+    job = node.get("job", f"{run}-trainer-1")
+    assert job is not None
+    failed = [c for c in job["status"].get("conditions", []) if c["type"] == "Failed" and c["status"] == "True"]
+    assert [c["reason"] for c in failed] == ["PodFailurePolicy"], failed
+    assert f"{name} has condition DisruptionTarget" in failed[0]["message"], failed
+    events = [e for e in node.list("events", "", NAMESPACE) if e["involvedObject"].get("name") == run]
+    preempted = [e["message"] for e in events if e["reason"] == "Preempted"]
+    assert len(preempted) == 1 and name in preempted[0] and "not counted against backoffLimit" in preempted[0], (
+        [(e["reason"], e["message"]) for e in events])
+    assert not [e for e in events if e["reason"] in ("TrainerFailed", "Retrying")], [e["reason"] for e in events]
+    history = volume.history(run)
+    first_steps = [h["step"] for h in history if h.get("attempt") == 1]
+    second_steps = [h["step"] for h in history if h.get("attempt") == 2]
+    assert first_steps and second_steps, history
+    # resumed from the last checkpoint attempt 1 wrote, not from step 0, and finished
     resumed_from = second_steps[0] - 1
     assert resumed_from % CHECKPOINT_INTERVAL == 0 and resumed_from > 0, (first_steps, second_steps)
     assert first_steps[-1] - 2 * CHECKPOINT_INTERVAL <= resumed_from <= first_steps[-1], (first_steps, second_steps)

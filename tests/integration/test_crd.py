@@ -55,7 +55,7 @@ def test_generated_crd_is_established_with_structural_schema_and_printer_columns
     assert conditions.get("NonStructuralSchema", "False") == "False"
     (version,) = grporun_crd["spec"]["versions"]
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Phase", "Step", "Reward", "Attempt", "Reason", "Adapter", "Age"]
+    assert columns == ["Phase", "Step", "Reward", "Attempt", "Reason", "Adapter", "Preemptions", "Age"]
     assert grporun_crd["status"]["acceptedNames"]["shortNames"] == ["grpo"]
 
 
@@ -66,7 +66,7 @@ def test_kubectl_get_shows_the_printer_columns(control_plane: ControlPlane, grpo
     assert applied.returncode == 0, applied.stderr
     table = control_plane.kubectl("get", "grpo", "-n", namespace, "-o", "wide", check=True).stdout
     header = table.splitlines()[0].split()
-    assert header == ["NAME", "PHASE", "STEP", "REWARD", "ATTEMPT", "REASON", "ADAPTER", "AGE"]
+    assert header == ["NAME", "PHASE", "STEP", "REWARD", "ATTEMPT", "REASON", "ADAPTER", "PREEMPTIONS", "AGE"]
     assert table.splitlines()[1].startswith("shown ")
 
 

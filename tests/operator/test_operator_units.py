@@ -169,9 +169,9 @@ def test_a_trainer_failed_by_the_invalid_spec_code_is_observed_as_permanent_in_i
     pods = [children.pod_info(pod)] if pod is not None else []
     snap = children.snapshot("run-uid", pods, [], [children.job_info(job([condition]))])
     status = GRPORunStatus(phase=Phase.TRAINING, attempt=2)
-    state, said, failed_permanently = trainer_state(None, run, status, snap)  # type: ignore[arg-type]
+    state, said, failed_permanently, preempted = trainer_state(None, run, status, snap)  # type: ignore[arg-type]
     assert state == snap.jobs[0].state
-    assert failed_permanently is permanent
+    assert failed_permanently is permanent and not preempted
     assert said.startswith(message), said
 
 
@@ -179,6 +179,63 @@ def test_pod_summary_reads_the_exit_code_once_a_container_terminated() -> None:
     assert children.pod_info(trainer_pod(2)).exit_code == 2
     assert children.pod_info({"metadata": {"name": "p"}, "status": {"containerStatuses": [
         {"name": "trainer", "state": {"running": {}}}]}}).exit_code is None
+
+
+EVICTION = {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI",
+            "message": "Eviction API: evicting"}
+BY_DISRUPTION = {"type": "Failed", "status": "True", "reason": "PodFailurePolicy",
+                 "message": "Pod team/r-trainer-2-abc has condition DisruptionTarget matching FailJob rule at index 1"}
+
+
+def evicted_trainer_pod() -> dict[str, Any]:
+    pod = trainer_pod(143)
+    pod["status"]["conditions"] = [{"type": "Ready", "status": "False"}, EVICTION]
+    return pod
+
+
+def test_pod_summary_reads_a_disruption_only_from_a_true_disruption_target_condition() -> None:
+    assert children.pod_info(evicted_trainer_pod()).disruption == "EvictionByEvictionAPI: Eviction API: evicting"
+    assert children.pod_info(trainer_pod(143)).disruption == ""
+    assert children.disruption([{**EVICTION, "status": "False"}]) == ""
+
+
+def test_a_job_failed_by_its_disruption_rule_is_not_failed_by_its_exit_code_rule() -> None:
+    disrupted = children.job_info(job([BY_DISRUPTION]))
+    assert disrupted.failed_by_disruption and not disrupted.failed_by_policy
+    by_code = children.job_info(job([BY_POLICY]))
+    assert by_code.failed_by_policy and not by_code.failed_by_disruption
+    assert not children.job_info(job([BY_BACKOFF])).failed_by_disruption
+
+
+@pytest.mark.parametrize(
+    ("condition", "pod", "preempted", "message"),
+    [
+        (BY_DISRUPTION, evicted_trainer_pod(), True,
+         "pod r-trainer-2-abc: DisruptionTarget EvictionByEvictionAPI: Eviction API: evicting"),
+        # the evicted pod is deleted once the Job controller counted it: the Job's condition still says it
+        (BY_DISRUPTION, None, True, "PodFailurePolicy: Pod team/r-trainer-2-abc has condition DisruptionTarget"),
+        # a Job made before its policy had the DisruptionTarget rule: the pod, while it is there, says it
+        (BY_BACKOFF, evicted_trainer_pod(), True, "pod r-trainer-2-abc: DisruptionTarget EvictionByEvictionAPI"),
+        (BY_BACKOFF, trainer_pod(137), False, "BackoffLimitExceeded"),
+        (BY_POLICY, trainer_pod(2, SAID), False, SAID),
+    ],
+    ids=["pod and job", "job alone", "pod alone", "a plain failure", "a configuration problem"],
+)
+def test_a_trainer_whose_pod_was_preempted_or_evicted_is_observed_as_preempted(
+    condition: dict[str, str], pod: dict[str, Any] | None, preempted: bool, message: str
+) -> None:
+    from grpo_api.models import GRPORun, GRPORunStatus, Phase
+    from grpo_operator.reconcile import trainer_state
+
+    run = GRPORun.model_validate({"metadata": {"name": "r", "namespace": "team", "uid": "run-uid"}, "spec": {
+        "model": {"name": "tiny", "path": "/models/tiny"}, "dataset": {"path": "/data/prompts.jsonl"},
+        "rewards": [{"function": "token_fraction"}]}})
+    pods = [children.pod_info(pod)] if pod is not None else []
+    snap = children.snapshot("run-uid", pods, [], [children.job_info(job([condition]))])
+    seen = trainer_state(None, run, GRPORunStatus(phase=Phase.TRAINING, attempt=2), snap)  # type: ignore[arg-type]
+    assert seen.state == TrainerState.FAILED
+    assert seen.preempted is preempted and not (seen.preempted and seen.failed_permanently)
+    assert seen.message.startswith(message), seen.message
 
 
 def test_merge_patch_removes_dropped_keys_and_replaces_lists() -> None:

@@ -139,4 +139,4 @@ def test_a_trainer_failed_on_the_invalid_spec_code_is_reported_in_the_words_of_t
     })
     status = GRPORunStatus.model_validate({"phase": "Training", "attempt": 1})
     # The index has the Job: no API call is made (no runtime needed).
-    assert reconcile.trainer_state(cast(Any, None), run, status, children) == (TrainerState.FAILED, said, True)
+    assert reconcile.trainer_state(cast(Any, None), run, status, children) == (TrainerState.FAILED, said, True, False)

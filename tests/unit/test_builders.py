@@ -338,14 +338,21 @@ def test_trainer_job_never_retries_itself_and_knows_its_attempt() -> None:
 
 
 @pytest.mark.parametrize("mode", ["server", "colocate"])
-def test_trainer_job_fails_at_once_on_the_invalid_spec_exit_code(mode: str) -> None:
+def test_trainer_job_fails_at_once_on_the_invalid_spec_exit_code_and_names_a_disruption(mode: str) -> None:
+    """Exit code 2 fails the Job by the first rule (the run fails as InvalidSpec); a pod preempted or evicted by
+    the second, never Ignore (a replacement pod inside the attempt would meet a server with later adapters), so
+    the Job's Failed condition names the DisruptionTarget rule after the pod is gone."""
     from grpo_api.exit_codes import EXIT_INVALID_SPEC
 
     job = b.build_trainer_job(make_run(mode=mode), 1)
-    assert job["spec"]["podFailurePolicy"] == {"rules": [{
-        "action": "FailJob",
-        "onExitCodes": {"containerName": container(job)["name"], "operator": "In", "values": [EXIT_INVALID_SPEC]},
-    }]}
+    assert job["spec"]["podFailurePolicy"] == {"rules": [
+        {
+            "action": "FailJob",
+            "onExitCodes": {"containerName": container(job)["name"], "operator": "In", "values": [EXIT_INVALID_SPEC]},
+        },
+        {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget"}]},
+    ]}
+    assert job["spec"]["backoffLimit"] == 0
     assert EXIT_INVALID_SPEC == 2
     assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never", "podFailurePolicy needs restartPolicy Never"
 

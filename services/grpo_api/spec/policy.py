@@ -48,6 +48,12 @@ class RunPolicy(ApiModel):
     backoff_limit: int = Field(
         default=2, ge=0, le=100, description="Retries after a failed attempt; each starts a fresh server."
     )
+    preemption_limit: int | None = Field(
+        default=None, ge=0,
+        description="Attempts whose trainer pod was preempted or evicted (pod condition DisruptionTarget) that "
+        "start the next one without counting against backoffLimit; a preemption past this counts as a failed "
+        "attempt. Unset: no limit, as a Job's podFailurePolicy Ignore rule (activeDeadlineSeconds still holds).",
+    )
     active_deadline_seconds: int | None = Field(
         default=None, ge=1, description="Fail the run (DeadlineExceeded) after this long since it started."
     )

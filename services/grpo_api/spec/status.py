@@ -61,6 +61,9 @@ class Reason(StrEnum):
     RECONCILED = "Reconciled"
     #: The server stopped answering its health check mid-attempt for longer than the grace period.
     SERVER_UNHEALTHY = "ServerUnhealthy"
+    #: A trainer pod was preempted or evicted (pod condition DisruptionTarget): the next attempt starts
+    #: without counting against backoffLimit.
+    PREEMPTED = "Preempted"
 
 
 class ConditionType(StrEnum):
@@ -196,7 +199,14 @@ class GRPORunStatus(ApiModel):
         default=0,
         ge=0,
         description="Attempts that failed so far (counted against runPolicy.backoffLimit); a suspended "
-        "attempt does not count.",
+        "or preempted attempt does not count.",
+    )
+    preemptions: int = Field(
+        default=0,
+        ge=0,
+        description="Attempts that ended because a trainer pod was preempted or evicted (pod condition "
+        "DisruptionTarget); each started the next attempt without counting against backoffLimit, up to "
+        "runPolicy.preemptionLimit.",
     )
     attempt_started_at: dt.datetime | None = Field(
         default=None, description="When the current attempt began waiting for its server."
