@@ -51,8 +51,14 @@ def build_pod(
     image: str,
     image_pull_policy: str,
     lifetime_seconds: int,
+    program_env: dict[str, str] | None = None,
+    read_only: bool = False,
+    labels: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """A pod that mounts the claim at MOUNT_PATH and sleeps; the receiver runs in it by exec.
+
+    `program_env` replaces the receiver's source in the environment (`grpo pull` puts its sender
+    there), `read_only` mounts the claim read-only, `labels` replaces the pod's labels.
 
     It meets the `restricted` Pod Security Standard: non-root 1000/1000 (fsGroup 1000, so the
     volume is writable), RuntimeDefault seccomp, no capabilities, no privilege escalation, a
@@ -64,8 +70,11 @@ def build_pod(
         "image": image,
         "imagePullPolicy": image_pull_policy,
         "command": sleeper_command(lifetime_seconds),
-        "env": [{"name": RECEIVER_ENV, "value": receiver_source()}],
-        "volumeMounts": [{"name": VOLUME, "mountPath": MOUNT_PATH}],
+        "env": [
+            {"name": key, "value": value}
+            for key, value in (program_env if program_env is not None else {RECEIVER_ENV: receiver_source()}).items()
+        ],
+        "volumeMounts": [{"name": VOLUME, "mountPath": MOUNT_PATH, **({"readOnly": True} if read_only else {})}],
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
         "securityContext": {
             "runAsNonRoot": True,
@@ -80,7 +89,7 @@ def build_pod(
         "metadata": {
             "name": name,
             "namespace": namespace,
-            "labels": dict(LABELS),
+            "labels": dict(labels if labels is not None else LABELS),
             "annotations": {"grpo.dev/staging-claim": claim},
         },
         "spec": {
@@ -97,7 +106,12 @@ def build_pod(
                 "seccompProfile": {"type": "RuntimeDefault"},
             },
             "containers": [container],
-            "volumes": [{"name": VOLUME, "persistentVolumeClaim": {"claimName": claim}}],
+            "volumes": [
+                {
+                    "name": VOLUME,
+                    "persistentVolumeClaim": {"claimName": claim, **({"readOnly": True} if read_only else {})},
+                }
+            ],
         },
     }
 

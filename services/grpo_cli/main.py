@@ -24,9 +24,29 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "operator": ("grpo_operator.cli:operator", "operator", "Run the Kubernetes operator (kopf)."),
     "stage": (
         "grpo_stage.cli:stage",
-        "operator",
+        "cli",
         "Copy local files (model, dataset, reward code) onto a PersistentVolumeClaim through the Kubernetes API.",
     ),
+    "get": ("grpo_cli.cluster.commands:get", "cli", "List GRPORuns: phase, step, reward, adapter, attempt, age."),
+    "status": (
+        "grpo_cli.cluster.commands:status",
+        "cli",
+        "Show a GRPORun: phase, step, reward, adapter version, staleness, conditions, latest events.",
+    ),
+    "logs": ("grpo_cli.cluster.commands:logs", "cli", "Print (-f: follow) a run's trainer, server or initializer log."),
+    "wait": (
+        "grpo_cli.cluster.commands:wait",
+        "cli",
+        "Wait for a run's phase or condition (default Succeeded); the exit code says how it ended.",
+    ),
+    "pull": (
+        "grpo_cli.cluster.commands:pull_command",
+        "cli",
+        "Copy a run's final adapter from its claim to a local directory, sha256-verified.",
+    ),
+    "suspend": ("grpo_cli.cluster.commands:suspend", "cli", "Suspend a run (spec.runPolicy.suspend: true)."),
+    "resume": ("grpo_cli.cluster.commands:resume", "cli", "Resume a suspended run (spec.runPolicy.suspend: false)."),
+    "cancel": ("grpo_cli.cluster.commands:cancel", "cli", "Cancel a run: delete it (after confirmation, or --yes)."),
     "crd": ("grpo_cli.crd:crd", "", "Write or check the GRPORun CRD generated from the API models."),
     "make-model": (
         "grpo_testmodels.cli:make_model",
@@ -81,6 +101,11 @@ def cli() -> None:
 
 def main() -> None:
     cli()
+
+
+def kubectl_plugin() -> None:
+    """`kubectl grpo ...`: kubectl runs `kubectl-grpo` from PATH with the arguments after `grpo`."""
+    cli(prog_name="kubectl grpo")
 
 
 if __name__ == "__main__":

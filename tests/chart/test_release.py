@@ -113,8 +113,9 @@ def test_the_tag_must_equal_every_version_in_the_tree() -> None:
 
 @pytest.mark.timeout(900)
 def test_the_wheel_gives_the_cli_for_a_cluster_without_torch(tmp_path: Path) -> None:
-    """What the python job does, for real: the wheel of this checkout in a fresh environment with the operator
-    extra only (PyPI, as a user installs it): `grpo stage --help` and `grpo crd` work, and torch is not there."""
+    """What the python job does, for real: the wheel of this checkout in a fresh environment with the cli
+    extra only (PyPI, as a user installs it): `grpo stage --help`, the cluster commands, `kubectl-grpo` and
+    `grpo crd` work, and torch is not there."""
     # A copy of what the wheel is built from (the images' build context): setuptools writes build/ beside it.
     source = tmp_path / "source"
     source.mkdir()
@@ -129,10 +130,16 @@ def test_the_wheel_gives_the_cli_for_a_cluster_without_torch(tmp_path: Path) -> 
     env_dir = tmp_path / "cli"
     venv.create(env_dir, with_pip=True)
     bin_dir = env_dir / "bin"
-    subprocess.run([str(bin_dir / "pip"), "install", "-q", f"{wheel}[operator]"], check=True, timeout=600,
+    subprocess.run([str(bin_dir / "pip"), "install", "-q", f"{wheel}[cli]"], check=True, timeout=600,
                    capture_output=True)
     stage = subprocess.run([str(bin_dir / "grpo"), "stage", "--help"], capture_output=True, text=True, timeout=120)
     assert stage.returncode == 0 and "Usage: grpo stage" in stage.stdout, stage.stdout + stage.stderr
+    for command in ("get", "status", "logs", "wait", "pull", "suspend", "resume", "cancel"):
+        shown = subprocess.run([str(bin_dir / "grpo"), command, "--help"], capture_output=True, text=True, timeout=120)
+        assert shown.returncode == 0 and f"Usage: grpo {command}" in shown.stdout, shown.stdout + shown.stderr
+    plugin = subprocess.run([str(bin_dir / "kubectl-grpo"), "wait", "--help"], capture_output=True, text=True,
+                            timeout=120)
+    assert plugin.returncode == 0 and "Usage: kubectl grpo wait" in plugin.stdout, plugin.stdout + plugin.stderr
     crd = subprocess.run([str(bin_dir / "grpo"), "crd"], capture_output=True, text=True, timeout=120)
     assert crd.returncode == 0 and "kind: CustomResourceDefinition" in crd.stdout, crd.stderr
     torch = subprocess.run([str(bin_dir / "python"), "-c", "import torch"], capture_output=True, timeout=60)

@@ -338,7 +338,7 @@ def test_stage_names_a_missing_source(tmp_path: Path) -> None:
 
 
 def test_stage_is_a_grpo_subcommand() -> None:
-    assert COMMANDS["stage"][:2] == ("grpo_stage.cli:stage", "operator")
+    assert COMMANDS["stage"][:2] == ("grpo_stage.cli:stage", "cli")
     result = CliRunner().invoke(cli, ["stage", "--help"])
     assert result.exit_code == 0
     assert "--claim" in result.output and "SRC:DEST" in result.output
