@@ -199,6 +199,11 @@ def staged(node: Node, operator_release: str, tmp_path_factory: pytest.TempPathF
     return MODELS_CLAIM
 
 
+def grpo(node: Node, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """The `grpo` CLI of this environment against the node, as a user runs it (its kubeconfig in $KUBECONFIG)."""
+    return _run([str(Path(sys.executable).parent / "grpo"), *args], timeout, env=node.env, check=check)
+
+
 def example_run(node: Node, name: str, **trainer: Any) -> dict[str, Any]:
     """examples/cpu-run.yaml as a user applies it, in the suite's namespace; its images come from the
     chart's runImages (the release is installed with the images built here)."""

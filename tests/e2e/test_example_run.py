@@ -7,8 +7,11 @@ DNS from the trainer to the server, the operator's in-cluster credentials and RB
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import time
+from pathlib import Path
 
 from tests.e2e.conftest import (
     NAMESPACE,
@@ -18,6 +21,7 @@ from tests.e2e.conftest import (
     VolumeReader,
     describe,
     example_run,
+    grpo,
     wait_for,
     wait_phase,
 )
@@ -28,7 +32,7 @@ RUN_TIMEOUT_S = 20 * 60
 
 
 def test_example_run_trains_to_succeeded_on_the_node(node: Node, staged: str, volume: VolumeReader,
-                                                   prometheus: Prometheus) -> None:
+                                                   prometheus: Prometheus, tmp_path: Path) -> None:
     started = time.time()
     node.apply(example_run(node, RUN))
     server_logs, trainer_logs = LogFollower(node, RUN, "server"), LogFollower(node, RUN, "trainer")
@@ -105,3 +109,26 @@ def test_example_run_trains_to_succeeded_on_the_node(node: Node, staged: str, vo
         assert "Traceback" not in text, f"{name} log has a traceback:\n{text[-5000:]}"
     assert f"v{MAX_STEPS}" in server_text or "set_lora_adapter" in server_text, server_text[-3000:]
     wait_phase(node, RUN, "Succeeded", 5)
+
+    # the cluster CLI, as a user follows the run from a laptop (docs/cli.md)
+    waited = grpo(node, "wait", RUN, "-n", NAMESPACE, "--for", "Succeeded", "--timeout", "60s", check=False)
+    assert waited.returncode == 0, waited.stdout + waited.stderr
+    assert "reached phase Succeeded" in waited.stdout, waited.stdout
+    shown = grpo(node, "status", RUN, "-n", NAMESPACE).stdout
+    assert "Succeeded (Completed)" in shown and f"{MAX_STEPS}/{MAX_STEPS}" in shown, shown
+    assert f"v{MAX_STEPS}" in shown and "Completed" in shown.split("Events")[-1], shown
+    listed = grpo(node, "get", "-n", NAMESPACE).stdout.splitlines()
+    assert any(line.split()[:3] == [RUN, "Succeeded", f"{MAX_STEPS}/{MAX_STEPS}"] for line in listed), listed
+    trainer_log = grpo(node, "logs", RUN, "-n", NAMESPACE, "--trainer").stdout
+    assert f"step {MAX_STEPS}/{MAX_STEPS}" in trainer_log, trainer_log[-3000:]
+    dest = tmp_path / "adapter"
+    pulled = grpo(node, "pull", RUN, str(dest), "-n", NAMESPACE, "--image", node.images["grpo-trainer"],
+                  "--start-timeout", "180").stdout
+    assert f"adapter v{MAX_STEPS} (step {MAX_STEPS})" in pulled and "sha256 verified" in pulled, pulled
+    manifest = json.loads((dest / "grpo-manifest.json").read_text())
+    assert manifest["version"] == MAX_STEPS and {"adapter_model.safetensors", "adapter_config.json"} <= set(
+        manifest["files"]), manifest
+    for name, digest in manifest["files"].items():
+        assert hashlib.sha256((dest / name).read_bytes()).hexdigest() == digest, name
+    assert not [p for p in node.list("pod", "app.kubernetes.io/name=grpo-pull")
+                if not p["metadata"].get("deletionTimestamp")], "the pull pod was left behind"
