@@ -11,8 +11,8 @@ the r=32 adapter through the real trigger, sends the GRPO-shaped workload as
 concurrent `/v1/completions` requests with logprobs (TRL's shape), then runs the
 adapter-sync benchmark: 20 versions published and triggered while generation traffic
 runs, each timed to the first token on the new version; every response's adapter tag
-is checked. Publishing is the trainer's own code (`grpo_trainer.publish.AdapterStore`
-with `grpo_trainer.adapter_io.write_adapter`): the adapter's float32 tensors, held on
+is checked. Publishing is the trainer's own code (`grpo_trainer.transport.adapter_store.AdapterStore`
+with `grpo_trainer.transport.adapter_files.write_adapter`): the adapter's float32 tensors, held on
 the GPU as a trainer holds them, written in the serving dtype, hashed while written,
 manifest, fsync, atomic rename, pruned one sync late. The full-reload baseline is the
 time to merge the adapter into the weights and save them, plus to start a fresh server
@@ -176,7 +176,7 @@ class Publisher:
         import torch
         from safetensors.torch import load_file
 
-        from grpo_trainer.publish import AdapterStore
+        from grpo_trainer.transport.adapter_store import AdapterStore
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         saved = load_file(adapter / "adapter_model.safetensors", device=device)
@@ -189,7 +189,7 @@ class Publisher:
 
     def publish(self, step: int) -> tuple[Path, int, str, float]:
         """Publish the next version; returns (path, version, manifest digest, seconds)."""
-        from grpo_trainer.adapter_io import write_adapter
+        from grpo_trainer.transport.adapter_files import write_adapter
 
         t0 = time.perf_counter()
         published = self.store.publish(lambda d: write_adapter(d, self.tensors, self.config, dtype=self.dtype), step)
@@ -429,7 +429,7 @@ def main() -> None:
                         ]})
         return
     work_dir = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
-    from grpo_trainer.adapter_io import publish_dtype
+    from grpo_trainer.transport.adapter_files import publish_dtype
 
     dtype = args.publish_dtype or publish_dtype(str(SERVER["dtype"]), args.model)
     result = asyncio.run(http_bench(args.model, args.adapter, work, work_dir, args.port, args.syncs, dtype,

@@ -49,6 +49,6 @@ def prepare(config_path: Path | None) -> None:
     result are JSON lines on stdout ({"grpoPrepare": "progress"|"done"|"failed", "message": ...}).
     Exit code 0: ready; 1: transient (retry resumes); 2: permanent (fix the GRPORun).
     """
-    from grpo_trainer.prepare import run_prepare
+    from grpo_trainer.prepare.main import run_prepare
 
     sys.exit(run_prepare(config_path))

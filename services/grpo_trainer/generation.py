@@ -2,7 +2,7 @@
 
 No generation from the wrong policy reaches the loss: every answer's boot id
 and adapter version are checked before TRL sees it. An answer from a restarted
-server replica (new boot id) is thrown away by the pool (replicas.py), which
+server replica (new boot id) is thrown away by the pool (transport/replicas.py), which
 loads the current adapter on that replica and generates the batch again; an
 answer from an adapter older than the staleness bound is generated again too.
 
@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_api.models import ImportanceSamplingSpec
-from grpo_trainer.client import Completions
 from grpo_trainer.errors import TrainingFailed
 from grpo_trainer.metrics import DiscardReason, TrainerMetrics
-from grpo_trainer.replicas import ServerPool
-from grpo_trainer.sync import PolicySync
+from grpo_trainer.transport.policy_sync import PolicySync
+from grpo_trainer.transport.replicas import ServerPool
+from grpo_trainer.transport.server_client import Completions
 
 #: Times one batch may be discarded and generated again before the run fails.
 MAX_REGENERATIONS = 4

@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from grpo_api.exit_codes import EXIT_INVALID_SPEC, EXIT_SUCCEEDED, clip_final_message, write_termination_message
 from grpo_api.fingerprint import model_fingerprint
@@ -22,16 +22,25 @@ from grpo_api.models import Mode, Strategy
 from grpo_api.protocol import ENV_ATTEMPT, HealthResponse, TrainingProgress
 from grpo_api.runconfig import RunConfig, RunConfigError, load_run_config
 from grpo_api.weight_transfer import ENV_WEIGHT_TRANSFER, resolve_weight_transfer
-from grpo_trainer.adapter_io import publish_dtype
 from grpo_trainer.checkpoints import AttemptFence, latest_complete, remove_incomplete
 from grpo_trainer.config import Platform
 from grpo_trainer.errors import InvalidSpec, ServerMismatch, TrainingFailed, exit_code
 from grpo_trainer.launch import launch, needs_launch, rank, report_exit, world_size
 from grpo_trainer.metrics import TrainerMetrics, metrics_port
-from grpo_trainer.publish import AdapterStore
-from grpo_trainer.replicas import ServerPool, dns_discovery, static_discovery
-from grpo_trainer.sync import AdapterSync, PolicySync
-from grpo_trainer.weights import MergedSync, WeightLoader, WeightSync
+from grpo_trainer.transport.adapter_files import publish_dtype
+from grpo_trainer.transport.adapter_store import AdapterStore
+from grpo_trainer.transport.policy_sync import AdapterSync, PolicySync
+from grpo_trainer.transport.replica_set import ReplicaSet, dns_discovery, static_discovery
+from grpo_trainer.transport.replicas import ServerPool
+from grpo_trainer.transport.weight_sync import MergedSync, WeightLoader, WeightSync
+
+if TYPE_CHECKING:
+    from trl import GRPOConfig
+
+    from grpo_trainer.generation import GenerationBackend
+    from grpo_trainer.rewards import RewardFunc
+    from grpo_trainer.session import TrainingSession
+    from grpo_trainer.trl_overrides import ServerGRPOTrainer
 
 log: Callable[[str], None] = functools.partial(print, flush=True)
 
@@ -57,9 +66,9 @@ def server_pool(cfg: RunConfig, *, token: str | None, metrics: TrainerMetrics, a
         discover, describe = static_discovery(endpoints.urls), ", ".join(endpoints.urls)
     else:
         discover, describe = static_discovery([cfg.server_url]), cfg.server_url
-    return ServerPool(discover, expected=endpoints.replicas if endpoints else 1, describe=describe, token=token,
-                      generation_timeout=timeout, metrics=metrics, log=log,
-                      loader=WeightLoader() if cfg.spec.trainer.pushes_weights else None, attempt=attempt)
+    return ServerPool(ReplicaSet(discover, expected=endpoints.replicas if endpoints else 1, describe=describe,
+                                 token=token, generation_timeout=timeout, metrics=metrics, log=log,
+                                 loader=WeightLoader() if cfg.spec.trainer.pushes_weights else None, attempt=attempt))
 
 
 def handshake(pool: ServerPool, *, fingerprint: str, model_dir: Path, resuming: bool,
@@ -152,8 +161,8 @@ def run_training(cfg: RunConfig, *, attempt: int) -> TrainingProgress:
     else:
         sync = AdapterSync(store, pool, metrics, retry_seconds=t.generation_timeout_seconds)
     try:
-        return _train(cfg, attempt=attempt, model_dir=model_dir, resume=resume, metrics=metrics, store=store,
-                      sync=sync, pool=pool, health=health, fence=fence)
+        return _train(cfg, attempt=attempt, model_dir=model_dir, resume=resume, metrics=metrics, sync=sync, pool=pool,
+                      health=health, fence=fence)
     finally:
         sync.close()
         if pool is not None:
@@ -167,34 +176,60 @@ def _train(
     model_dir: Path,
     resume: Path | None,
     metrics: TrainerMetrics,
-    store: AdapterStore,
     sync: PolicySync[Any, Any],
     pool: ServerPool | None,
     health: HealthResponse | None,
     fence: AttemptFence,
 ) -> TrainingProgress:
-    # Heavy imports only once the run is known to be viable.
+    """Assemble the attempt's parts, in the order that fails soonest (what this process and TRL support, the
+    dataset, the rewards, TRL's settings, then the model), and run them."""
+    # Heavy imports only once the run is known to be viable; each part imports what it needs.
     import torch
-    from peft import LoraConfig
-    from transformers import AutoTokenizer, PrinterCallback
-    from trl import GRPOConfig
 
-    from grpo_trainer.config import check_supported, grpo_config_kwargs, lora_config_kwargs
-    from grpo_trainer.data import load_prompts
-    from grpo_trainer.fence_callback import FenceCallback
-    from grpo_trainer.generation import DriftGuard, GenerationBackend, StalenessBound
-    from grpo_trainer.rewards import RewardContext, build_rewards
-    from grpo_trainer.session import SessionCallback, TrainingSession
-    from grpo_trainer.trl_overrides import ServerGRPOTrainer, check_surface, server_generation_installed
+    t = cfg.spec.trainer
+    main = rank() == 0
+    platform = _checked_platform(cfg, torch)
+    inputs = _training_inputs(cfg, model_dir)
+    args = _grpo_args(cfg, inputs.reward_weights, platform)
+    model = _load_model(model_dir, cfg.spec.model.dtype, quantize=t.lora.quantize_base, platform=platform)
+    session = _session(cfg, sync=sync, metrics=metrics, model_dir=model_dir, attempt=attempt, main=main)
+    trainer_kwargs = _trainer_kwargs(cfg, model, inputs, args, fence=fence, session=session)
+    trainer, backend = _grpo_trainer(cfg, trainer_kwargs, inputs.dataset, session, sync=sync, metrics=metrics,
+                                     pool=pool, health=health, main=main)
+    _attach_session(cfg, trainer, session, main=main)
+    return _run(cfg, trainer, backend, session, sync=sync, metrics=metrics, resume=resume, main=main, torch=torch)
+
+
+class _TrainingInputs(NamedTuple):
+    tokenizer: Any
+    #: a datasets.Dataset with a `prompt` column (data.load_prompts)
+    dataset: Any
+    reward_funcs: list[RewardFunc]
+    reward_weights: list[float]
+
+
+def _checked_platform(cfg: RunConfig, torch: Any) -> Platform:
+    """What this process offers (CUDA, bf16, vLLM, bitsandbytes), refused when the spec needs more; and the
+    installed TRL checked against the surface trl_overrides relies on."""
+    from grpo_trainer.config import check_supported
+    from grpo_trainer.trl_overrides import check_surface
 
     spec = cfg.spec
-    t = spec.trainer
-    main = rank() == 0
-    server_mode = spec.mode == Mode.SERVER
     platform = _platform(torch)
     check_supported(spec, platform, resolve_weight_transfer(spec, os.environ.get(ENV_WEIGHT_TRANSFER)))
     check_surface()
+    return platform
 
+
+def _training_inputs(cfg: RunConfig, model_dir: Path) -> _TrainingInputs:
+    """The tokenizer, the dataset (at least one step's prompts of all the processes) and the reward functions."""
+    from transformers import AutoTokenizer
+
+    from grpo_trainer.data import load_prompts
+    from grpo_trainer.rewards import RewardContext, build_rewards
+
+    spec = cfg.spec
+    t = spec.trainer
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     dataset_path = cfg.dataset_path()
     prompts_per_step = t.generation_batch_size * world_size(t) // t.num_generations
@@ -206,28 +241,78 @@ def _train(
                       dataset_columns=tuple(dataset.column_names), timeout_seconds=t.reward_timeout_seconds),
         cfg.reward_search_paths(),
     )
+    return _TrainingInputs(tokenizer=tokenizer, dataset=dataset, reward_funcs=reward_funcs, reward_weights=weights)
+
+
+def _grpo_args(cfg: RunConfig, reward_weights: list[float], platform: Platform) -> GRPOConfig:
+    """TRL's GRPOConfig from spec.trainer; a setting TRL rejects is the spec's fault."""
+    from trl import GRPOConfig
+
+    from grpo_trainer.config import grpo_config_kwargs
+
     try:
-        args = GRPOConfig(**grpo_config_kwargs(spec, output_dir=cfg.paths.checkpoint_dir,
-                                               server_url=cfg.server_url, reward_weights=weights,
+        return GRPOConfig(**grpo_config_kwargs(cfg.spec, output_dir=cfg.paths.checkpoint_dir,
+                                               server_url=cfg.server_url, reward_weights=reward_weights,
                                                platform=platform))
     except ValueError as exc:
         raise InvalidSpec(f"spec.trainer settings rejected by TRL: {exc}") from exc
-    model = _load_model(model_dir, spec.model.dtype, quantize=t.lora.quantize_base, platform=platform)
-    session = TrainingSession(sync=sync, metrics=metrics, progress_file=Path(cfg.paths.progress_file),
-                              max_steps=t.max_steps, sync_interval=t.sync_interval, attempt=attempt, main=main,
-                              sharded=t.strategy == Strategy.FSDP,
-                              publish_dtype=publish_dtype(str(spec.server.dtype) if spec.server else "auto", model_dir),
-                              log=log)
-    trainer_kwargs: dict[str, Any] = {
+
+
+def _session(cfg: RunConfig, *, sync: PolicySync[Any, Any], metrics: TrainerMetrics, model_dir: Path, attempt: int,
+             main: bool) -> TrainingSession:
+    from grpo_trainer.session import TrainingSession
+
+    spec = cfg.spec
+    t = spec.trainer
+    return TrainingSession(sync=sync, metrics=metrics, progress_file=Path(cfg.paths.progress_file),
+                           max_steps=t.max_steps, sync_interval=t.sync_interval, attempt=attempt, main=main,
+                           sharded=t.strategy == Strategy.FSDP,
+                           publish_dtype=publish_dtype(str(spec.server.dtype) if spec.server else "auto", model_dir),
+                           log=log)
+
+
+def _trainer_kwargs(cfg: RunConfig, model: Any, inputs: _TrainingInputs, args: GRPOConfig, *, fence: AttemptFence,
+                    session: TrainingSession) -> dict[str, Any]:
+    """What TRL's trainer is built from: the model, rewards, settings, dataset, tokenizer, LoRA (none with tuning
+    full: every weight trains) and the callbacks (the attempt's fence, then the session)."""
+    from peft import LoraConfig
+
+    from grpo_trainer.config import lora_config_kwargs
+    from grpo_trainer.fence_callback import FenceCallback
+    from grpo_trainer.session import SessionCallback
+
+    t = cfg.spec.trainer
+    return {
         "model": model,
-        "reward_funcs": reward_funcs,
+        "reward_funcs": inputs.reward_funcs,
         "args": args,
-        "train_dataset": dataset,
-        "processing_class": tokenizer,
+        "train_dataset": inputs.dataset,
+        "processing_class": inputs.tokenizer,
         # tuning full: no adapter, every weight trains
         "peft_config": None if t.full else LoraConfig(**lora_config_kwargs(t.lora)),
         "callbacks": [FenceCallback(fence), SessionCallback(session)],
     }
+
+
+def _grpo_trainer(
+    cfg: RunConfig,
+    trainer_kwargs: dict[str, Any],
+    dataset: Any,
+    session: TrainingSession,
+    *,
+    sync: PolicySync[Any, Any],
+    metrics: TrainerMetrics,
+    pool: ServerPool | None,
+    health: HealthResponse | None,
+    main: bool,
+) -> tuple[ServerGRPOTrainer, GenerationBackend | None]:
+    """TRL's trainer, generating as the mode and rank say, and the generation backend rank 0 talks to the server
+    through (None: not in server mode, or another rank)."""
+    from grpo_trainer.generation import DriftGuard, GenerationBackend, StalenessBound
+    from grpo_trainer.trl_overrides import ServerGRPOTrainer, server_generation_installed
+
+    t = cfg.spec.trainer
+    server_mode = cfg.spec.mode == Mode.SERVER
     backend: GenerationBackend | None = None
     if server_mode and not main:
         # The other ranks hand their prompts to rank 0 and take their share of its answer.
@@ -256,12 +341,35 @@ def _train(
         session.staleness = lambda: backend.last_staleness if backend else None
     else:
         trainer = ServerGRPOTrainer(**trainer_kwargs)
+    return trainer, backend
+
+
+def _attach_session(cfg: RunConfig, trainer: ServerGRPOTrainer, session: TrainingSession, *, main: bool) -> None:
+    """The session reads the trainer's state, and prints the step lines TRL's printer would have."""
+    from transformers import PrinterCallback
+
+    t = cfg.spec.trainer
     session.bind(trainer)
     trainer.remove_callback(PrinterCallback)  # the session prints one line per step instead
     if main and (world_size(t) > 1 or t.strategy != Strategy.DDP):
         log(f"trainer: {world_size(t)} process(es), strategy {t.strategy} "
             f"(accelerate {trainer.accelerator.distributed_type.value})")
 
+
+def _run(
+    cfg: RunConfig,
+    trainer: ServerGRPOTrainer,
+    backend: GenerationBackend | None,
+    session: TrainingSession,
+    *,
+    sync: PolicySync[Any, Any],
+    metrics: TrainerMetrics,
+    resume: Path | None,
+    main: bool,
+    torch: Any,
+) -> TrainingProgress:
+    """Serve the metrics, drop interrupted checkpoints, train (resuming if there is a checkpoint), finish."""
+    t = cfg.spec.trainer
     if main:
         metrics.serve(metrics_port(t.metrics_port))
         for path in remove_incomplete(Path(cfg.paths.checkpoint_dir)):

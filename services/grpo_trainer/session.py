@@ -9,7 +9,7 @@
 - step end: publish every `syncInterval` optimizer steps and at the last step. The
   adapter's bytes are taken at once (a cast and one copy to the host); writing,
   hashing, the load trigger and its confirmation run in the background while the
-  next step trains. The next generation request waits for them (see sync.py), so
+  next step trains. The next generation request waits for them (see transport/policy_sync.py), so
   this moves the sync off the step's critical path without changing which adapter
   generates which batch;
 - log (every step): metrics and the progress file;
@@ -34,11 +34,11 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from grpo_api.protocol import TrainingProgress
-from grpo_trainer.adapter_io import peft_adapter
 from grpo_trainer.checkpoints import mark_complete
 from grpo_trainer.metrics import TrainerMetrics
 from grpo_trainer.progress import append_history, now, write_progress
-from grpo_trainer.sync import PolicySync, SyncOutcome
+from grpo_trainer.transport.adapter_files import peft_adapter
+from grpo_trainer.transport.policy_sync import PolicySync, SyncOutcome
 
 
 class TrainingSession:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from grpo_api.protocol import ATTEMPT_HEADER, SetAdapterRequest
-from grpo_trainer.client import AdapterRefused, ServerClient
+from grpo_trainer.transport.server_client import AdapterRefused, ServerClient
 from tests.fixtures.server import RunningServer, start_server
 from tests.server.adapters import LoraMaker
 

@@ -1,7 +1,7 @@
 """The ipc backend's JSON handles on CPU: the wire model's bounds, the backend-aware init_info, and the
 server's rebuild of vLLM's `ipc_handles` (classes and dtype from its allowlist, never from the request).
 
-The trainer's encoder (`grpo_trainer.weight_ipc`) is checked against the server's rebuild with what
+The trainer's encoder (`grpo_trainer.transport.weight_ipc`) is checked against the server's rebuild with what
 torch's `reduce_tensor` gives for a CUDA tensor, faked here (no GPU): the arguments the server hands
 vLLM are the ones torch produced, field for field.
 """
@@ -187,7 +187,7 @@ def torch_reduce_args() -> tuple[Any, ...]:
 
 
 def test_the_trainer_s_json_rebuilds_to_torch_s_own_arguments(monkeypatch):
-    from grpo_trainer import weight_ipc
+    from grpo_trainer.transport import weight_ipc
 
     monkeypatch.setattr(weight_ipc, "reduce_tensor", lambda tensor: ("rebuild_cuda_tensor", torch_reduce_args()))
     sent = weight_ipc.ipc_handle(torch.zeros(4, 8))

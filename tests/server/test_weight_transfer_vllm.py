@@ -3,7 +3,7 @@
 The server runs vLLM with `weight_transfer_config {backend: ipc}` (through extraEngineArgs, which the
 engine honours whatever the run's tuning; a full fine-tuning run sets it from server.weightTransfer).
 The sender (tests/server/weight_ipc_sender.py) plays the trainer: it puts the tensors on the GPU,
-writes their JSON IPC handles (`grpo_trainer.weight_ipc.ipc_update_info`) and keeps them alive while
+writes their JSON IPC handles (`grpo_trainer.transport.weight_ipc.ipc_update_info`) and keeps them alive while
 the test drives the routes. Skipped unless CUDA and vLLM are importable. One command (the model is
 any safetensors checkpoint vLLM serves, e.g. bench/gpu/session.sh's /tmp/m15; default the tiny model):
 

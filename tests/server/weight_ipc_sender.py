@@ -2,7 +2,7 @@
 
 It puts the named checkpoint tensors on the GPU the server uses (cuda:0, shared), as the model's own
 weights (`original`) or with the last decoder layer's MLP times -3 and the final norm times 3
-(`scaled`), writes the JSON `update_info` of `/update_weights` (`grpo_trainer.weight_ipc`) to `--out`,
+(`scaled`), writes the JSON `update_info` of `/update_weights` (`grpo_trainer.transport.weight_ipc`) to `--out`,
 prints `ready`, and keeps the tensors alive until its stdin closes (the server reads them through
 their IPC handles until `/finish_weight_update` answers). `--bad-uuid` offers the last tensor from a
 GPU that does not exist: vLLM's worker refuses the `/update_weights` call that carries it.
@@ -34,7 +34,7 @@ def main() -> None:
     import torch
     from safetensors import safe_open
 
-    from grpo_trainer.weight_ipc import ipc_update_info
+    from grpo_trainer.transport.weight_ipc import ipc_update_info
 
     names = json.loads(args.names)
     last = json.loads((args.model / "config.json").read_text())["num_hidden_layers"] - 1

@@ -36,7 +36,7 @@ def rank_main(rank: int, model_dir: str, out: str, port: int) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from grpo_trainer.adapter_io import peft_adapter
+    from grpo_trainer.transport.adapter_files import peft_adapter
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from grpo_api.adapters import MANIFEST_NAME, sha256_file, verify_manifest
-from grpo_trainer.adapter_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, publish_dtype, save_peft_adapter
-from grpo_trainer.publish import AdapterStore
+from grpo_trainer.transport.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, publish_dtype, save_peft_adapter
+from grpo_trainer.transport.adapter_store import AdapterStore
 
 
 @pytest.fixture(scope="module", params=["CAUSAL_LM", None], ids=["causal-lm", "no-task-type"])
@@ -106,7 +106,7 @@ def test_the_safetensors_layout_reads_back_with_the_library(tmp_path, dtype):
     import torch
     from safetensors import safe_open
 
-    from grpo_trainer.adapter_io import write_adapter
+    from grpo_trainer.transport.adapter_files import write_adapter
 
     torch.manual_seed(1)
     tensors = {"b.lora_B.weight": torch.randn(5, 3), "a.lora_A.weight": torch.randn(3, 7), "c.scalar": torch.randn(1)}
@@ -121,7 +121,7 @@ def test_the_safetensors_layout_reads_back_with_the_library(tmp_path, dtype):
 def test_non_float_tensors_and_other_dtypes_are_refused(tmp_path):
     import torch
 
-    from grpo_trainer.adapter_io import write_adapter
+    from grpo_trainer.transport.adapter_files import write_adapter
 
     with pytest.raises(ValueError, match="not floating point"):
         write_adapter(tmp_path / "a", {"x": torch.ones(2, dtype=torch.int64)}, {}, dtype="float32")
@@ -130,7 +130,7 @@ def test_non_float_tensors_and_other_dtypes_are_refused(tmp_path):
 
 
 def test_a_snapshot_keeps_the_bytes_of_its_moment_while_the_model_trains_on(peft_model, tmp_path):
-    from grpo_trainer.adapter_io import peft_adapter, snapshot_peft_adapter
+    from grpo_trainer.transport.adapter_files import peft_adapter, snapshot_peft_adapter
 
     before = {name: t.detach().clone() for name, t in peft_adapter(peft_model)[0].items()}
     snapshot = snapshot_peft_adapter(peft_model, dtype="float32")
@@ -177,7 +177,7 @@ def _cuda() -> bool:
 def test_a_gpu_snapshot_does_not_wait_for_queued_work_and_writes_the_bytes_of_its_moment(peft_model, tmp_path):
     import torch
 
-    from grpo_trainer.adapter_io import peft_adapter, snapshot_peft_adapter
+    from grpo_trainer.transport.adapter_files import peft_adapter, snapshot_peft_adapter
 
     model = copy.deepcopy(peft_model).cuda()
     before = {name: t.detach().to(torch.bfloat16).cpu() for name, t in peft_adapter(model)[0].items()}
@@ -203,7 +203,7 @@ def test_adapter_under_activation_checkpointing_and_fsdp2_shards_of_two_ranks_is
 
     import torch
 
-    from grpo_trainer.adapter_io import peft_adapter
+    from grpo_trainer.transport.adapter_files import peft_adapter
     from tests.trainer.fsdp_adapter_ranks import peft_model
 
     done = subprocess.run([sys.executable, "-m", "tests.trainer.fsdp_adapter_ranks", str(tiny_model_dir),

@@ -18,7 +18,7 @@ import pytest
 from grpo_api.adapters import list_versions
 from grpo_trainer.checkpoints import ATTEMPT_RECORD, AttemptFence, latest_complete, mark_complete
 from grpo_trainer.errors import AttemptSuperseded
-from grpo_trainer.publish import TMP_PREFIX, AdapterStore
+from grpo_trainer.transport.adapter_store import TMP_PREFIX, AdapterStore
 from tests.fixtures.adapter_folders import saver
 from tests.fixtures.server import RunningServer
 from tests.fixtures.trainer_runs import REPO, cli_env, complete_checkpoints, grpo_train, token_fraction, trainer_config

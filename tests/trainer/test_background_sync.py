@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 from grpo_api.adapters import list_versions
-from grpo_trainer.client import Completions
 from grpo_trainer.errors import TrainingFailed
 from grpo_trainer.generation import GenerationBackend, StalenessBound
 from grpo_trainer.metrics import TrainerMetrics
-from grpo_trainer.publish import AdapterStore
-from grpo_trainer.replicas import ServerPool, static_discovery
-from grpo_trainer.sync import AdapterSync, SyncResult
+from grpo_trainer.transport.adapter_store import AdapterStore
+from grpo_trainer.transport.policy_sync import AdapterSync, SyncResult
+from grpo_trainer.transport.replica_set import ReplicaSet, static_discovery
+from grpo_trainer.transport.replicas import ServerPool
+from grpo_trainer.transport.server_client import Completions
 
 LORA_CONFIG = {"peft_type": "LORA", "r": 8, "bias": "none", "use_dora": False, "modules_to_save": None,
                "target_modules": ["q_proj", "v_proj"]}
@@ -77,8 +78,8 @@ def test_a_generation_request_is_sent_only_after_the_sync_in_flight_is_done(sync
             sent.append(sync.active.version if sync.active else None)
             return Completions([[1]], [[-0.1]], boot_id="b1", adapter_version=sent[-1], seconds=0.01)
 
-    pool = Pool(static_discovery(["http://127.0.0.1:9"]), expected=1, describe="test", token=None,
-                generation_timeout=1, metrics=sync.metrics)
+    pool = Pool(ReplicaSet(static_discovery(["http://127.0.0.1:9"]), expected=1, describe="test", token=None,
+                           generation_timeout=1, metrics=sync.metrics))
     gen = GenerationBackend(pool, sync, sync.metrics, model_name="m", num_generations=1,
                             bound=StalenessBound(1, 1),
                             seed=0, current_step=lambda: 1)

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from trl.trainer.utils import RepeatSampler
 
-from grpo_trainer.client import Completions
 from grpo_trainer.generation import (
     GenerationBackend,
     Prefetcher,
@@ -16,9 +15,11 @@ from grpo_trainer.generation import (
     staleness_bound,
 )
 from grpo_trainer.metrics import TrainerMetrics
-from grpo_trainer.publish import AdapterStore, PublishedAdapter
-from grpo_trainer.replicas import ServerPool, static_discovery
-from grpo_trainer.sync import AdapterSync
+from grpo_trainer.transport.adapter_store import AdapterStore, PublishedAdapter
+from grpo_trainer.transport.policy_sync import AdapterSync
+from grpo_trainer.transport.replica_set import ReplicaSet, static_discovery
+from grpo_trainer.transport.replicas import ServerPool
+from grpo_trainer.transport.server_client import Completions
 
 
 def test_generation_batches_follow_trl_repeat_sampler_layout():
@@ -106,8 +107,8 @@ def backend(
     metrics = TrainerMetrics()
     store = AdapterStore(tmp_path, "fp")
     sync = AdapterSync(store, None, metrics, retry_seconds=1)
-    pool = ServerPool(static_discovery(["http://127.0.0.1:9"]), expected=1, describe="test", token=None,
-                      generation_timeout=1, metrics=metrics)
+    pool = ServerPool(ReplicaSet(static_discovery(["http://127.0.0.1:9"]), expected=1, describe="test", token=None,
+                                 generation_timeout=1, metrics=metrics))
     gen = GenerationBackend(pool, sync, metrics, model_name="m", num_generations=1,
                             bound=bound if isinstance(bound, StalenessBound) else StalenessBound(1, bound),
                             seed=0, current_step=lambda: step)

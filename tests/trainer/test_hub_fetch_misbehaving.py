@@ -18,8 +18,10 @@ from urllib.parse import urlsplit
 import pytest
 
 from grpo_api.sources import HubFetch, hub_snapshot_dir
-from grpo_trainer import prepare
-from grpo_trainer.prepare import PrepareFailed, Reporter, fetch_repository
+from grpo_trainer.prepare import hub as prepare_hub
+from grpo_trainer.prepare.errors import PrepareFailed
+from grpo_trainer.prepare.hub import fetch_repository
+from grpo_trainer.prepare.reporting import Reporter
 from tests.fixtures.hub import FakeHub, Repo, Request, etag_of, make_handler, running_hub
 
 TOKEN = "hf_hostile_TOKEN_0123456789"
@@ -339,7 +341,7 @@ def test_a_moved_branch_takes_no_file_from_the_old_commits_folder_and_leaves_it_
     fetch(target)
 
     assert (commit_dir(target, new_commit) / "config.json").read_bytes() == moved["config.json"]
-    assert prepare.complete_copy(target) == new_commit
+    assert prepare_hub.complete_copy(target) == new_commit
     assert local_files(target, old_commit) == old_files
 
 
@@ -389,7 +391,7 @@ def test_a_file_served_at_another_commit_than_resolved_is_refused(hub: HostileHu
     assert "weights.bin: " in str(failed) and "e" * 12 in str(failed) and repo.commit[:12] in str(failed)
     record = commit_dir(target, repo.commit) / ".cache" / "grpo-fetch.json"
     assert json.loads(record.read_text())["files"] is None
-    assert prepare.complete_copy(target) is None
+    assert prepare_hub.complete_copy(target) is None
 
 
 def test_a_pinned_commit_resolved_to_another_commit_is_refused(hub: HostileHub, tmp_path: Path) -> None:
@@ -437,7 +439,7 @@ def test_an_endpoint_that_never_answers_the_file_list_is_transient_not_a_hang(
 ) -> None:
     hub.add("org/m", FILES)
     hub.hang_api = threading.Event()
-    monkeypatch.setattr(prepare, "HUB_API_TIMEOUT_S", 1.0, raising=False)  # absent before the fix
+    monkeypatch.setattr(prepare_hub, "HUB_API_TIMEOUT_S", 1.0, raising=False)  # absent before the fix
     outcome: list[BaseException] = []
 
     def attempt() -> None:
@@ -464,8 +466,8 @@ def test_a_file_list_that_trickles_in_is_transient_within_the_deadline_not_a_han
     minute; the call as a whole is bounded (HUB_API_DEADLINE_S)."""
     hub.add("org/m", FILES)
     hub.drip_api = 0.2
-    monkeypatch.setattr(prepare, "HUB_API_TIMEOUT_S", 1.0)
-    monkeypatch.setattr(prepare, "HUB_API_DEADLINE_S", 2.0, raising=False)  # absent before the fix
+    monkeypatch.setattr(prepare_hub, "HUB_API_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(prepare_hub, "HUB_API_DEADLINE_S", 2.0, raising=False)  # absent before the fix
     outcome: list[BaseException] = []
 
     def attempt() -> None:

@@ -26,12 +26,14 @@ from grpo_api.lifecycle import HealthCheck, Observation, TrainerState, decide
 from grpo_api.models import GRPORunSpec, GRPORunStatus, Phase
 from grpo_api.protocol import HealthResponse, LaggingReplica, TrainingProgress
 from grpo_api.runconfig import ServerEndpoints, load_run_config
-from grpo_trainer.client import Completions
 from grpo_trainer.metrics import TrainerMetrics
-from grpo_trainer.publish import AdapterStore
-from grpo_trainer.replicas import LAGGARD_SECONDS, ServerPool, static_discovery
 from grpo_trainer.runner import run_training
-from grpo_trainer.sync import AdapterSync
+from grpo_trainer.transport.activation import LAGGARD_SECONDS
+from grpo_trainer.transport.adapter_store import AdapterStore
+from grpo_trainer.transport.policy_sync import AdapterSync
+from grpo_trainer.transport.replica_set import ReplicaSet, static_discovery
+from grpo_trainer.transport.replicas import ServerPool
+from grpo_trainer.transport.server_client import Completions
 from tests.fixtures.server import RunningServer, free_port, start_server
 from tests.fixtures.server_requests import completion_requests
 from tests.fixtures.trainer_runs import read_progress, token_fraction, trainer_config
@@ -106,8 +108,8 @@ def test_a_hung_replica_costs_one_sync_the_laggard_bound_and_its_work_goes_to_th
     fingerprint = model_fingerprint(tiny_model_dir)
     metrics = TrainerMetrics()
     logs: list[str] = []
-    pool = ServerPool(static_discovery([a.url, b.url]), expected=2, describe="two replicas", token=a.token,
-                      generation_timeout=GENERATION_TIMEOUT, metrics=metrics, log=logs.append)
+    pool = ServerPool(ReplicaSet(static_discovery([a.url, b.url]), expected=2, describe="two replicas", token=a.token,
+                                 generation_timeout=GENERATION_TIMEOUT, metrics=metrics, log=logs.append))
     sync = AdapterSync(AdapterStore(a.adapter_root, fingerprint), pool, metrics, retry_seconds=GENERATION_TIMEOUT)
     maker = LoraMaker(tiny_model_dir)
     model = a.health()["model"]

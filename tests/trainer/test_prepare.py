@@ -28,7 +28,9 @@ from grpo_api.prepare_protocol import (
 )
 from grpo_api.runconfig import RunConfig, RunConfigError, load_run_config, run_config_for
 from grpo_api.sources import DATASET_TOKEN_ENV, MODEL_TOKEN_ENV, ResolvedSources, hub_snapshot_dir, local_sources
-from grpo_trainer.prepare import FetchProgress, PrepareFailed, Reporter, write_inline_rewards
+from grpo_trainer.prepare.errors import PrepareFailed
+from grpo_trainer.prepare.inline_rewards import write_inline_rewards
+from grpo_trainer.prepare.reporting import FetchProgress, Reporter
 from tests.fixtures.hub import FakeHub, repo_files, running_hub
 from tests.fixtures.prepare_cli import invoke, spec_with, write_config
 

@@ -8,7 +8,7 @@ import pytest
 
 from grpo_api.adapters import list_versions, verify_manifest
 from grpo_trainer.errors import TrainingFailed
-from grpo_trainer.publish import AdapterStore
+from grpo_trainer.transport.adapter_store import AdapterStore
 from tests.fixtures.adapter_folders import LORA_CONFIG, saver
 
 

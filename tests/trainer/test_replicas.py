@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from grpo_api.runconfig import ServerEndpoints, load_run_config
-from grpo_trainer.client import BACKOFF_CAP_SECONDS
-from grpo_trainer.replicas import dns_discovery, group_seed, split_groups, static_discovery
 from grpo_trainer.runner import run_training
+from grpo_trainer.transport.dispatch import group_seed, split_groups
+from grpo_trainer.transport.replica_set import dns_discovery, static_discovery
+from grpo_trainer.transport.server_client import BACKOFF_CAP_SECONDS
 from tests.fixtures.server import RunningServer, free_port, start_server
 from tests.fixtures.server_requests import completion_requests
 from tests.fixtures.trainer_runs import STEP_LINE, read_progress, token_fraction, trainer_config

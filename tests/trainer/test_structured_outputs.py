@@ -23,9 +23,10 @@ from grpo_api.models import GRPORunSpec, StructuredOutputsSpec
 from grpo_trainer.config import Platform, grpo_config_kwargs
 from grpo_trainer.generation import GenerationBackend, StalenessBound
 from grpo_trainer.metrics import TrainerMetrics
-from grpo_trainer.publish import AdapterStore
-from grpo_trainer.replicas import ServerPool, static_discovery
-from grpo_trainer.sync import AdapterSync
+from grpo_trainer.transport.adapter_store import AdapterStore
+from grpo_trainer.transport.policy_sync import AdapterSync
+from grpo_trainer.transport.replica_set import ReplicaSet, static_discovery
+from grpo_trainer.transport.replicas import ServerPool
 from grpo_trainer.trl_overrides import ServerGeneration
 from tests.fixtures.server import RunningServer
 
@@ -54,8 +55,8 @@ def generation_for(spec: StructuredOutputsSpec | None, server: RunningServer, tm
     metrics = TrainerMetrics()
     store = AdapterStore(tmp_path / "adapters", "fp")
     backend = GenerationBackend(
-        ServerPool(static_discovery([server.url]), expected=1, describe=server.url, token=None,
-                   generation_timeout=120, metrics=metrics),
+        ServerPool(ReplicaSet(static_discovery([server.url]), expected=1, describe=server.url, token=None,
+                              generation_timeout=120, metrics=metrics)),
         AdapterSync(store, None, metrics, retry_seconds=1), metrics, model_name="tiny",
         num_generations=GROUP, bound=StalenessBound(1, 0), seed=7, current_step=lambda: 0, log=lambda _: None,
     )

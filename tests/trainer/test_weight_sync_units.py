@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from grpo_trainer.errors import TrainingFailed
-from grpo_trainer.weights import (
+from grpo_trainer.transport.weight_sync import (
     GlooChannel,
     IpcChannel,
     make_channel,

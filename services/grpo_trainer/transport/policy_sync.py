@@ -3,11 +3,11 @@
 `PolicySync` holds what every kind shares: one sync at a time, in the background, in order, its
 failure raised at the next point that depends on it. `AdapterSync` (LoRA) publishes an adapter
 version to the shared volume, makes the server load it and prunes one sync late;
-`weights.WeightSync` (full fine-tuning) pushes the whole policy with vLLM's weight transfer.
+`weight_sync.WeightSync` (full fine-tuning) pushes the whole policy with vLLM's weight transfer.
 
 A version counts as synced only when the load trigger answered with it AND
 `/health/` reports it active on the same boot, on every replica the pool reaches
-(see replicas.py: once one confirmed, the others have LAGGARD_SECONDS; one that
+(see activation.py: once one confirmed, the others have LAGGARD_SECONDS; one that
 lags gets no work and catches up in the background). A trigger that fails is
 retried with backoff; when the retries are spent with no replica confirming, the
 run fails with the reason: the trainer never keeps training against a server that
@@ -31,11 +31,11 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from grpo_api.adapters import read_manifest
 from grpo_api.protocol import LaggingReplica
-from grpo_trainer.adapter_io import ADAPTER_WEIGHTS, snapshot_peft_adapter
-from grpo_trainer.client import Completions
 from grpo_trainer.metrics import TrainerMetrics
-from grpo_trainer.publish import AdapterStore, PublishedAdapter
-from grpo_trainer.replicas import ServerPool
+from grpo_trainer.transport.adapter_files import ADAPTER_WEIGHTS, snapshot_peft_adapter
+from grpo_trainer.transport.adapter_store import AdapterStore, PublishedAdapter
+from grpo_trainer.transport.replicas import ServerPool
+from grpo_trainer.transport.server_client import Completions
 
 
 class Versioned(Protocol):

@@ -29,9 +29,9 @@ from grpo_api.adapters import (
     version_dir,
     write_manifest,
 )
-from grpo_trainer.adapter_io import ADAPTER_CONFIG
 from grpo_trainer.checkpoints import AttemptFence
 from grpo_trainer.errors import TrainingFailed
+from grpo_trainer.transport.adapter_files import ADAPTER_CONFIG
 
 TMP_PREFIX = ".tmp-"
 #: LoRA targets a served adapter may not touch (vLLM cannot load them as plain LoRA).

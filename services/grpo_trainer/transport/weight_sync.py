@@ -36,13 +36,14 @@ from typing import Any
 
 from grpo_api.protocol import HealthResponse
 from grpo_api.weight_transfer import GLOO_STORE_PREFIX
-from grpo_trainer.adapter_io import snapshot_peft_adapter
-from grpo_trainer.client import Completions, ServerClient
 from grpo_trainer.errors import TrainingFailed
 from grpo_trainer.metrics import TrainerMetrics
-from grpo_trainer.publish import AdapterStore
-from grpo_trainer.replicas import ServerPool, Unconfirmed, confirm
-from grpo_trainer.sync import PolicySync
+from grpo_trainer.transport.adapter_files import snapshot_peft_adapter
+from grpo_trainer.transport.adapter_store import AdapterStore
+from grpo_trainer.transport.policy_loaders import Unconfirmed, confirm
+from grpo_trainer.transport.policy_sync import PolicySync
+from grpo_trainer.transport.replicas import ServerPool
+from grpo_trainer.transport.server_client import Completions, ServerClient
 
 #: Address the server reaches the trainer's rendezvous at (nccl, gloo); the operator sets the pod's IP.
 ENV_TRAINER_ADDRESS = "GRPO_TRAINER_ADDRESS"
@@ -152,7 +153,7 @@ class IpcChannel(Channel):
     backend = "ipc"
 
     def _send(self, client: ServerClient, snapshot: WeightSnapshot) -> None:
-        from grpo_trainer.weight_ipc import ipc_update_info
+        from grpo_trainer.transport.weight_ipc import ipc_update_info
 
         # The copies stay alive (the snapshot holds them) until the server answered.
         info = ipc_update_info(list(snapshot.tensors.items()))
