@@ -160,6 +160,23 @@ def launch(trainer: TrainerSpec, config_path: str | None) -> int:
         return attempt_exit_code(left_codes(Path(tmp)), code)
 
 
+def end_on_sigterm(pid: int | None = None) -> bool:
+    """As a container's PID 1 (`grpo train` is the trainer image's entrypoint), a process that set no SIGTERM
+    handler never sees SIGTERM: the kernel drops it, and the pod ends only at its grace period's SIGKILL.
+    A preempted or evicted trainer would train on for those 30 s, and finish a short run, as if nothing had
+    happened. Here SIGTERM ends the process at once with exit code 143 (128 + SIGTERM), as it would anywhere
+    else; the last complete checkpoint is what the next attempt resumes from. True when the handler was set.
+    """
+    if (os.getpid() if pid is None else pid) != 1:
+        return False
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    return True
+
+
 def _prctl(option: int, value: int) -> bool:
     """prctl(2) on Linux; False where it is missing or refused."""
     if not sys.platform.startswith("linux"):

@@ -25,7 +25,7 @@ from grpo_api.weight_transfer import ENV_WEIGHT_TRANSFER, resolve_weight_transfe
 from grpo_trainer.checkpoints import AttemptFence, latest_complete, remove_incomplete
 from grpo_trainer.config import Platform
 from grpo_trainer.errors import InvalidSpec, ServerMismatch, TrainingFailed, exit_code
-from grpo_trainer.launch import launch, needs_launch, rank, report_exit, world_size
+from grpo_trainer.launch import end_on_sigterm, launch, needs_launch, rank, report_exit, world_size
 from grpo_trainer.metrics import TrainerMetrics, metrics_port
 from grpo_trainer.transport.adapter_files import publish_dtype
 from grpo_trainer.transport.adapter_store import AdapterStore
@@ -105,6 +105,7 @@ def run_train(config_path: str | Path | None) -> int:
         cfg = load_run_config(config_path)
         if needs_launch(cfg.spec.trainer):
             return launch(cfg.spec.trainer, None if config_path is None else str(config_path))
+        end_on_sigterm()
         run_training(cfg, attempt=attempt_from_env())
     except (RunConfigError, TrainingFailed) as exc:
         code = exit_code(exc)

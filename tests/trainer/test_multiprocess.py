@@ -135,3 +135,23 @@ def test_a_configuration_problem_on_rank_0_keeps_its_exit_code_through_torchrun(
         assert "no_such_module" in done.stderr
     finally:
         server.stop(timeout=10)
+
+
+def test_as_a_container_s_pid_1_the_single_process_trainer_ends_on_sigterm_with_143_elsewhere_nothing_changes():
+    """`grpo train` is the trainer image's entrypoint, so PID 1, where a SIGTERM without a handler is dropped:
+    an evicted trainer trained on until the grace period's SIGKILL (and a short run finished). The handler is set
+    only there; this plays PID 1 by naming the pid."""
+    import signal
+    import sys
+
+    program = ("import sys, time\nfrom grpo_trainer.launch import end_on_sigterm\n"
+               "print(end_on_sigterm(pid=int(sys.argv[1])), flush=True)\ntime.sleep(60)\n")
+    for pid, handled, code in ((1, "True", 143), (12345, "False", -signal.SIGTERM)):
+        proc = subprocess.Popen([sys.executable, "-c", program, str(pid)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == handled
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == code
+        finally:
+            proc.kill()
+            proc.wait()
