@@ -33,7 +33,7 @@ from typing import assert_never
 
 from pydantic import ValidationError
 
-from grpo_api.childenv import child_environment
+from grpo_api.childenv import child_environment, tracker_environment
 from grpo_api.exit_codes import EXIT_INVALID_SPEC
 from grpo_api.health import HealthClient
 from grpo_api.lifecycle import (
@@ -383,13 +383,16 @@ class LocalRun:
             return
         self.end_older_trainers(attempt)
         self.termination_log(attempt).unlink(missing_ok=True)  # an earlier `grpo run` of this directory left it
+        # The trackers that write files write them into the run directory (as on the claim of a cluster's run).
+        tracking = dict(tracker_environment(self.run.spec.trainer.report_to, volume_root=str(self.run_dir),
+                                            run_name=self.run.metadata.name))
         child = Child(
             role="trainer",
             attempt=attempt,
             argv=[self.python, "-m", "grpo_cli.main", "train", "--config", str(self.config_file)],
             log_path=self.logs_dir / f"trainer-attempt-{attempt}.log",
             # The trainer dies with this process (a `grpo run` killed outright leaves no trainer behind).
-            env={ENV_TERMINATION_LOG: str(self.termination_log(attempt)),
+            env={ENV_TERMINATION_LOG: str(self.termination_log(attempt)), **tracking,
                  **self.child_env(attempt, self.run.spec.trainer.env), ENV_PARENT_PID: str(os.getpid())},
         )
         child.start()

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo_api.childenv import child_environment
+from grpo_api.childenv import child_environment, tracker_environment
 from grpo_api.exit_codes import EXIT_INVALID_SPEC
 from grpo_api.models import (
     API_VERSION,
@@ -742,6 +742,10 @@ def build_trainer_job(
         # Full fine-tuning or merged LoRA: the server's workers join the trainer's weight-transfer group
         # (nccl) at this address.
         ours.append({"name": "GRPO_TRAINER_ADDRESS", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    # The trackers that write files (TensorBoard's event files, W&B's run folders) write them on the claim.
+    tracking = tracker_environment(trainer.report_to, volume_root=run.spec.storage.mount_path,
+                                   run_name=run.metadata.name)
+    ours.extend({"name": name, "value": value} for name, value in tracking)
     container = {
         "name": TRAINER,
         "image": trainer.image or images.trainer,

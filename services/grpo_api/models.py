@@ -202,6 +202,7 @@ from grpo_api.spec.trainer import (
     Strategy,
     StructuredOutputsSpec,
     SyncPath,
+    Tracker,
     TrainerSpec,
     Tuning,
 )
@@ -369,6 +370,7 @@ __all__ = [
     "StructuredOutputsSpec",
     "SyncPath",
     "Toleration",
+    "Tracker",
     "TrainerSpec",
     "Tuning",
     "VolumeClaimSpec",

@@ -7,10 +7,10 @@ off-policy sequence masking all map onto GRPOConfig fields.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from grpo_api.models import Engine, GRPORunSpec, LoraSpec, Mode, Strategy, Tuning, WeightTransfer
+from grpo_api.models import Engine, GRPORunSpec, LoraSpec, Mode, Strategy, Tracker, Tuning, WeightTransfer
 from grpo_trainer.errors import UnsupportedSetting
 
 #: Where a user finds an image that has what `vllm_needed_for` asks for.
@@ -18,6 +18,16 @@ VLLM_IMAGE_HINT = (
     "use a trainer image with vLLM (Dockerfile.trainer built with ENGINE=vllm, its default; the operator's "
     "default trainer image is one)"
 )
+
+
+#: The modules transformers' integration of each tracker needs (any one of them; its `is_<name>_available`): the
+#: TensorBoard callback writes through torch.utils.tensorboard (the `tensorboard` package) or tensorboardX.
+TRACKER_MODULES: dict[str, tuple[str, ...]] = {
+    Tracker.TENSORBOARD: ("tensorboard", "tensorboardX"),
+    Tracker.MLFLOW: ("mlflow",),
+    Tracker.WANDB: ("wandb",),
+    Tracker.TRACKIO: ("trackio",),
+}
 
 
 @dataclass(frozen=True)
@@ -28,6 +38,20 @@ class Platform:
     bf16: bool
     vllm: bool
     bitsandbytes: bool
+    #: The trackers (spec.trainer.reportTo) whose packages this image has.
+    trackers: frozenset[str] = field(default_factory=frozenset)
+
+
+def trackers_missing(spec: GRPORunSpec, available: frozenset[str]) -> UnsupportedSetting | None:
+    """The refusal of a spec.trainer.reportTo that names a tracker whose package this image lacks; None if none."""
+    missing = [str(t) for t in spec.trainer.report_to if str(t) not in available]
+    if not missing:
+        return None
+    packages = ", ".join(f"{t} needs {' or '.join(TRACKER_MODULES[t])}" for t in missing)
+    return UnsupportedSetting(
+        f"spec.trainer.reportTo names {', '.join(missing)}, whose package this trainer image lacks ({packages}); "
+        "use an image that has it, or leave it out of reportTo"
+    )
 
 
 def _server_on_gpu(spec: GRPORunSpec) -> bool:
@@ -83,6 +107,9 @@ def check_supported(spec: GRPORunSpec, platform: Platform, weight_transfer: str 
         raise UnsupportedSetting(
             "spec.trainer.lora.quantizeBase (QLoRA) needs a CUDA GPU and bitsandbytes; set it to false"
         )
+    lacking = trackers_missing(spec, platform.trackers)
+    if lacking is not None:
+        raise lacking
 
 
 def importance_sampling_mode(spec: GRPORunSpec) -> str:
@@ -141,7 +168,9 @@ def grpo_config_kwargs(
         "save_steps": t.checkpoint_interval,
         "save_total_limit": 2,
         "logging_steps": 1,
-        "report_to": "none",
+        # Trackers through transformers' integrations, which report on the main process only; their settings come
+        # from the environment (spec.trainer.env), TensorBoard's folder too (TENSORBOARD_LOGGING_DIR, on the volume).
+        "report_to": [str(tracker) for tracker in t.report_to] or "none",
         "disable_tqdm": True,
         "log_completions": False,
         # Platform.

@@ -4,17 +4,19 @@ The initializer runs before any server exists, so a run its trainer could not ex
 once and for good (exit code 2, naming spec.trainer.image), instead of after a GPU server has loaded and
 then once per attempt. What the trainer needs is `config.vllm_needed_for`; this module looks for it by
 importing it, as the trainer would: an installed but broken vLLM (a missing library, a compiled
-extension built for another torch) is as useless as none.
+extension built for another torch) is as useless as none. The trackers of spec.trainer.reportTo are looked
+for as transformers looks for them (their package is installed).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 
 from grpo_api.models import GRPORunSpec
 from grpo_api.weight_transfer import ENV_WEIGHT_TRANSFER, resolve_weight_transfer
-from grpo_trainer.config import image_lacks_vllm, vllm_needed_for
+from grpo_trainer.config import TRACKER_MODULES, image_lacks_vllm, trackers_missing, vllm_needed_for
 
 #: The module of vLLM the trainer uses first in either case (it imports vllm itself and its NCCL wrapper).
 VLLM_PROBE_MODULE = "vllm.distributed.weight_transfer.nccl_engine"
@@ -29,9 +31,21 @@ def vllm_import_error() -> str | None:
     return None
 
 
+def available_trackers() -> frozenset[str]:
+    """The trackers of spec.trainer.reportTo whose package is installed here, found as transformers finds them."""
+    return frozenset(
+        tracker for tracker, modules in TRACKER_MODULES.items()
+        if any(importlib.util.find_spec(module) is not None for module in modules)
+    )
+
+
 def check_trainer_image(spec: GRPORunSpec, weight_transfer_auto: str | None = None) -> None:
-    """Raise UnsupportedSetting when the spec needs vLLM in the trainer and this image cannot import it.
-    `weight_transfer_auto` defaults to $GRPO_WEIGHT_TRANSFER, as the server resolves it."""
+    """Raise UnsupportedSetting when the spec needs vLLM in the trainer and this image cannot import it, or
+    reports to a tracker whose package it lacks. `weight_transfer_auto` defaults to $GRPO_WEIGHT_TRANSFER, as the
+    server resolves it."""
+    lacking = trackers_missing(spec, available_trackers())
+    if lacking is not None:
+        raise lacking
     auto = weight_transfer_auto if weight_transfer_auto is not None else os.environ.get(ENV_WEIGHT_TRANSFER)
     need = vllm_needed_for(spec, resolve_weight_transfer(spec, auto))
     if need is None:

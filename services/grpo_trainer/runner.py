@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from grpo_api.childenv import TRACKER_DIR_ENV
 from grpo_api.exit_codes import EXIT_INVALID_SPEC, EXIT_SUCCEEDED, clip_final_message, write_termination_message
 from grpo_api.fingerprint import model_fingerprint
 from grpo_api.models import Mode, Strategy
@@ -25,6 +26,7 @@ from grpo_api.weight_transfer import ENV_WEIGHT_TRANSFER, resolve_weight_transfe
 from grpo_trainer.checkpoints import AttemptFence, latest_complete, remove_incomplete
 from grpo_trainer.config import Platform
 from grpo_trainer.errors import InvalidSpec, ServerMismatch, TrainingFailed, exit_code
+from grpo_trainer.image_capabilities import available_trackers
 from grpo_trainer.launch import end_on_sigterm, launch, needs_launch, rank, report_exit, world_size
 from grpo_trainer.metrics import TrainerMetrics, metrics_port
 from grpo_trainer.transport.adapter_files import publish_dtype
@@ -351,6 +353,7 @@ def _attach_session(cfg: RunConfig, trainer: ServerGRPOTrainer, session: Trainin
 
     t = cfg.spec.trainer
     session.bind(trainer)
+    trainer.step_log_metrics = session.step_log_metrics
     trainer.remove_callback(PrinterCallback)  # the session prints one line per step instead
     if main and (world_size(t) > 1 or t.strategy != Strategy.DDP):
         log(f"trainer: {world_size(t)} process(es), strategy {t.strategy} "
@@ -373,6 +376,9 @@ def _run(
     t = cfg.spec.trainer
     if main:
         metrics.serve(metrics_port(t.metrics_port))
+        for variable in TRACKER_DIR_ENV:  # W&B falls back to a temporary folder when its folder does not exist
+            if os.environ.get(variable):
+                Path(os.environ[variable]).mkdir(parents=True, exist_ok=True)
         for path in remove_incomplete(Path(cfg.paths.checkpoint_dir)):
             log(f"removed interrupted checkpoint {path}")
     if resume is not None:
@@ -407,6 +413,7 @@ def _platform(torch: Any) -> Platform:
         bf16=cuda and bool(torch.cuda.is_bf16_supported()),
         vllm=_importable("vllm"),
         bitsandbytes=_importable("bitsandbytes"),
+        trackers=available_trackers(),
     )
 
 

@@ -12,7 +12,10 @@
   next step trains. The next generation request waits for them (see transport/policy_sync.py), so
   this moves the sync off the step's critical path without changing which adapter
   generates which batch;
-- log (every step): metrics and the progress file;
+- log (every step): metrics and the progress file; before TRL logs a step, `step_log_metrics` adds the
+  session's own measures (the step's wall time, the syncs completed since, the batch's staleness) to what it
+  logs, so every tracker of `spec.trainer.reportTo` gets them with TRL's (transformers' integrations report
+  what `Trainer.log` gets);
 - save: wait for the sync of this step, then mark the checkpoint complete (it
   becomes resumable and names the adapter version served from it);
 - train end: wait for the last sync.
@@ -39,6 +42,12 @@ from grpo_trainer.metrics import TrainerMetrics
 from grpo_trainer.progress import append_history, now, write_progress
 from grpo_trainer.transport.adapter_files import peft_adapter
 from grpo_trainer.transport.policy_sync import PolicySync, SyncOutcome
+
+#: The session's per-step measures in the trainer's log (and so in every tracker), beside TRL's `reward`, `loss`...
+STEP_SECONDS_KEY = "timing/step_seconds"
+SYNC_SECONDS_KEY = "sync/seconds"
+POLICY_VERSION_KEY = "sync/policy_version"
+STALENESS_KEY = "staleness/steps"
 
 
 class TrainingSession:
@@ -72,6 +81,8 @@ class TrainingSession:
         self._log = log
         self._clock = clock
         self._step_started: float | None = None
+        self._last_step_seconds: float | None = None
+        self._syncs_since_log: list[float] = []  # seconds of each sync completed since the last step's log
         self._last_reward: tuple[float | None, float | None] = (None, None)
         self._progress_lock = threading.Lock()  # the background sync writes progress too
 
@@ -113,6 +124,8 @@ class TrainingSession:
 
     def _published(self, result: SyncOutcome, step: int, reason: str, note: str = "blocking") -> None:
         self.last_sync = result
+        with self._progress_lock:
+            self._syncs_since_log.append(result.seconds)
         self._log(self.sync.describe(result, step, reason, note))
         self.write_progress(step, done=False)
 
@@ -135,7 +148,8 @@ class TrainingSession:
         step = state.global_step
         self.metrics.step.set(step)
         if self._step_started is not None:
-            self.metrics.step_seconds.observe(self._clock() - self._step_started)
+            self._last_step_seconds = self._clock() - self._step_started
+            self.metrics.step_seconds.observe(self._last_step_seconds)
             self._step_started = None
         if step % self.sync_interval == 0 or step >= self.max_steps:
             if self.main:
@@ -158,6 +172,22 @@ class TrainingSession:
             f"is-ratio {_is_ratio(logs)} drift {_fmt(_number(logs.get('sampling/sampling_logp_difference/mean')))} "
             f"{self.sync.kind} v{version} staleness {staleness} attempt {self.attempt}"
         )
+
+    def step_log_metrics(self) -> dict[str, float]:
+        """What the session measured since the last step's log, under the names the trackers show: the step's wall
+        time, the mean time of the syncs completed since (none: no key), the active policy version and the staleness
+        in steps of the batch trained on. Rank 0 alone publishes, so the others add nothing."""
+        if not self.main:
+            return {}
+        with self._progress_lock:
+            syncs, self._syncs_since_log = self._syncs_since_log, []
+        measured: dict[str, float | None] = {
+            STEP_SECONDS_KEY: self._last_step_seconds,
+            SYNC_SECONDS_KEY: sum(syncs) / len(syncs) if syncs else None,
+            POLICY_VERSION_KEY: float(self.sync.active.version) if self.sync.active else None,
+            STALENESS_KEY: _number(self.staleness()),
+        }
+        return {key: value for key, value in measured.items() if value is not None}
 
     def on_save(self, state: TrainerState, output_dir: str) -> None:
         self.sync.wait()  # the checkpoint names the version published from it

@@ -173,6 +173,15 @@ class ServerGRPOTrainer(GRPOTrainer):
 
     schedule_listener: Callable[[list[list[int]]], None] | None = None
     drift_guard: DriftGuard | None = None
+    #: The session's measures of the step (step and sync time, staleness), added to each step's log.
+    step_log_metrics: Callable[[], dict[str, float]] | None = None
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """A step's log (the one with its `loss`; not the end-of-training summary) gets the session's measures too,
+        before TRL adds its own and the callbacks run: transformers' tracker integrations report what this gets."""
+        if self.step_log_metrics is not None and "loss" in logs:
+            logs.update(self.step_log_metrics())
+        super().log(logs, start_time)
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         guard = self.drift_guard
@@ -244,6 +253,7 @@ _SIGNATURES: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (GRPOTrainer, "_tokenize_prompts", ("prompts",)),
     (GRPOTrainer, "_load_optimizer_and_scheduler", ("checkpoint",)),
     (GRPOTrainer, "_generate_and_score_completions", ("inputs",)),
+    (GRPOTrainer, "log", ("logs", "start_time")),
     (RepeatSampler, "__init__", ("data_source", "mini_repeat_count", "batch_size", "repeat_count", "shuffle",
                                  "seed")),
 )

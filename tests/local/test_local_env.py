@@ -56,3 +56,26 @@ def test_server_and_trainer_get_their_sections_env_and_may_override_ours(tmp_pat
     assert "VLLM_LORA_ENABLE_DUAL_STREAM" not in trainer
     for env in (server, trainer):  # ours are still there
         assert env["GRPO_ATTEMPT"] == "1" and env["GRPO_RUN_CONFIG"] == str(local.config_file)
+
+
+def test_the_trainer_writes_tracker_files_into_the_run_directory(tmp_path: Path) -> None:
+    run = GRPORun.model_validate({
+        "apiVersion": "grpo.dev/v1alpha1", "kind": "GRPORun", "metadata": {"name": "tracked"},
+        "spec": {
+            "model": {"name": "tiny", "path": str(tmp_path / "model")},
+            "dataset": {"path": str(tmp_path / "prompts.jsonl")},
+            "rewards": [{"function": "token_fraction", "args": {"low": 3, "high": 10}}],
+            "trainer": {"reportTo": ["tensorboard", "wandb"], "env": [{"name": "WANDB_DIR", "value": "/elsewhere"}]},
+        },
+    })
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text("# the runner reads the parsed object\n")
+    local = LocalRun(run=run, run_file=run_file, run_dir=tmp_path / "run", port=18124,
+                     python=env_dumping_python(tmp_path))
+    local.provision()
+    local.create_trainer(1)
+
+    trainer = child_environment(local.logs_dir / "trainer-attempt-1.log")
+    assert trainer["TENSORBOARD_LOGGING_DIR"] == str(tmp_path / "run" / "tracking" / "tracked" / "tensorboard")
+    assert trainer["WANDB_DIR"] == "/elsewhere", "the spec's env moves it"
+    assert "TRACKIO_DIR" not in trainer

@@ -102,6 +102,30 @@ def test_colocate_without_gpu_and_qlora_without_bitsandbytes_are_refused_clearly
     check_supported(spec(), CPU)
 
 
+def test_report_to_reaches_trl_and_a_tracker_the_image_lacks_is_refused_naming_the_field():
+    kwargs = grpo_config_kwargs(spec(reportTo=["tensorboard", "mlflow"]), output_dir="/tmp/ck",
+                                server_url="http://s:8000", reward_weights=[1.0], platform=CPU)
+    assert GRPOConfig(**kwargs).report_to == ["tensorboard", "mlflow"]
+    plain = grpo_config_kwargs(spec(), output_dir="/tmp/ck", server_url="http://s:8000", reward_weights=[1.0],
+                               platform=CPU)
+    assert GRPOConfig(**plain).report_to == []
+    with pytest.raises(UnsupportedSetting, match=r"spec.trainer.reportTo names trackio, .*trackio needs trackio"):
+        check_supported(spec(reportTo=["mlflow", "trackio"]), Platform(cuda=False, bf16=False, vllm=False,
+                                                                       bitsandbytes=False,
+                                                                       trackers=frozenset({"mlflow"})))
+
+
+def test_this_image_has_the_packages_of_every_tracker_but_trackio():
+    """The trainer extra installs tensorboardX, the MLflow client and W&B; trackio only in an image that adds it."""
+    from grpo_trainer.image_capabilities import available_trackers, check_trainer_image
+
+    assert {"tensorboard", "mlflow", "wandb"} <= available_trackers()
+    check_trainer_image(spec(reportTo=["tensorboard", "mlflow", "wandb"]), "ipc")
+    if "trackio" not in available_trackers():
+        with pytest.raises(UnsupportedSetting, match=r"spec\.trainer\.reportTo names trackio"):
+            check_trainer_image(spec(reportTo=["trackio"]), "ipc")
+
+
 def full_spec(server: dict | None = None, **trainer) -> GRPORunSpec:
     return GRPORunSpec.model_validate({**spec(**trainer).model_dump(by_alias=True, exclude={"server"}),
                                        "server": server or {}})

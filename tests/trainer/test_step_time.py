@@ -31,6 +31,9 @@ class FakeSync:
     def lagging_replicas(self) -> list[object]:
         return []
 
+    def describe(self, result: object, step: int, reason: str, note: str) -> str:
+        return f"published at step {step}"
+
 
 class FakeClock:
     def __init__(self) -> None:
@@ -148,3 +151,29 @@ def test_other_ranks_join_the_gather_of_a_sharded_adapter_at_each_sync_and_publi
         s.on_step_end(state)
     assert calls == ["the model"] * gathers  # resume, step 2, step 3
     assert not (tmp_path / "progress.json").exists()
+
+
+class Outcome:
+    def __init__(self, version: int, seconds: float) -> None:
+        self.version, self.seconds, self.attempts = version, seconds, 1
+
+
+def test_each_steps_log_carries_its_wall_time_the_syncs_since_and_the_staleness(tmp_path: Path) -> None:
+    """What the trackers of spec.trainer.reportTo get beside TRL's metrics (ServerGRPOTrainer.log adds it)."""
+    from grpo_trainer.session import POLICY_VERSION_KEY, STALENESS_KEY, STEP_SECONDS_KEY, SYNC_SECONDS_KEY
+
+    clock = FakeClock()
+    s = session(tmp_path, clock)
+    s.staleness = lambda: 1
+    s.on_step_begin()
+    clock.now += 4.0
+    s.on_step_end(TrainerState(global_step=1))
+    assert s.step_log_metrics() == {STEP_SECONDS_KEY: 4.0, STALENESS_KEY: 1.0}, "no sync completed yet"
+    s._published(Outcome(1, 0.5), 1, "sync")
+    s._published(Outcome(2, 1.5), 2, "sync")
+    s.sync.active = Outcome(2, 1.5)  # type: ignore[misc]
+    assert s.step_log_metrics() == {STEP_SECONDS_KEY: 4.0, SYNC_SECONDS_KEY: 1.0, POLICY_VERSION_KEY: 2.0,
+                                    STALENESS_KEY: 1.0}
+    assert SYNC_SECONDS_KEY not in s.step_log_metrics(), "each sync is reported once"
+    s.main = False
+    assert s.step_log_metrics() == {}, "rank 0 alone reports"

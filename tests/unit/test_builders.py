@@ -337,6 +337,26 @@ def test_trainer_job_never_retries_itself_and_knows_its_attempt() -> None:
     assert set(mounts_of(job)) == {"run-config", "data", "dshm", "token"}
 
 
+def test_trainer_job_writes_tracker_files_on_the_claim_and_takes_their_credentials_from_secrets() -> None:
+    """TensorBoard's event files, W&B's and trackio's folders go under <mountPath>/tracking/<run>; a user's env comes
+    after ours (it may move them), and a credential reaches the pod as a secretKeyRef, never as a value."""
+    key = {"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "api-key"}}}
+    run = make_run(storage={"size": "1Gi", "mountPath": "/data"},
+                   trainer={"reportTo": ["tensorboard", "mlflow", "wandb", "trackio"],
+                            "env": [key, {"name": "MLFLOW_TRACKING_URI", "value": "http://mlflow.tracking:5000"}]})
+    env = container(b.build_trainer_job(run, 1))["env"]
+    names = [e["name"] for e in env]
+    values = {e["name"]: e.get("value") for e in env}
+    assert values["TENSORBOARD_LOGGING_DIR"] == "/data/tracking/r1/tensorboard"
+    assert values["WANDB_DIR"] == "/data/tracking/r1" and values["TRACKIO_DIR"] == "/data/tracking/r1/trackio"
+    assert values["MLFLOW_TRACKING_URI"] == "http://mlflow.tracking:5000"
+    assert names.index("TENSORBOARD_LOGGING_DIR") < names.index("MLFLOW_TRACKING_URI"), "the user's env comes last"
+    assert next(e for e in env if e["name"] == "WANDB_API_KEY") == key
+    untracked = env_of(b.build_trainer_job(make_run(), 1))
+    assert not {"TENSORBOARD_LOGGING_DIR", "WANDB_DIR", "TRACKIO_DIR"} & set(untracked)
+    assert "TENSORBOARD_LOGGING_DIR" not in env_of(b.build_server_deployment(run, 1, 1))
+
+
 @pytest.mark.parametrize("mode", ["server", "colocate"])
 def test_trainer_job_fails_at_once_on_the_invalid_spec_exit_code_and_names_a_disruption(mode: str) -> None:
     """Exit code 2 fails the Job by the first rule (the run fails as InvalidSpec); a pod preempted or evicted by

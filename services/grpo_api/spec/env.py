@@ -88,10 +88,23 @@ OPERATOR_ENV: tuple[str, ...] = (
     "GRPO_TRAINER_ADDRESS", "GRPO_HF_TOKEN_MODEL", "GRPO_HF_TOKEN_DATASET",
 )
 OPERATOR_ENV_MESSAGE = f"is set by the operator ({', '.join(OPERATOR_ENV)}): env may not replace it"
+#: Variables that hold a credential the trainer's libraries read (Hugging Face, the experiment trackers, the
+#: object stores MLflow keeps artifacts in): a spec may take them only from a Secret or the like (valueFrom),
+#: never as a literal value, which anyone who may read the GRPORun (and its run-config) would see.
+CREDENTIAL_ENV: tuple[str, ...] = (
+    "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY", "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD",
+    "DATABRICKS_TOKEN", "AWS_SECRET_ACCESS_KEY", "AZURE_STORAGE_ACCESS_KEY", "AZURE_STORAGE_CONNECTION_STRING",
+)
+CREDENTIAL_ENV_MESSAGE = (
+    f"holds a credential ({', '.join(CREDENTIAL_ENV)}): take it from a Secret (valueFrom.secretKeyRef), "
+    "not a literal value"
+)
 ENV_RULES: list[cel.Rule] = [
     cel.rule("!(has(self.value) && has(self.valueFrom))", "set value or valueFrom, not both"),
     cel.rule("!(self.name in [" + ", ".join(f"'{n}'" for n in OPERATOR_ENV) + "])", f"name {OPERATOR_ENV_MESSAGE}",
              fieldPath=".name"),
+    cel.rule("!has(self.value) || !(self.name in [" + ", ".join(f"'{n}'" for n in CREDENTIAL_ENV) + "])",
+             f"this variable {CREDENTIAL_ENV_MESSAGE}", fieldPath=".value"),
 ]
 
 
@@ -121,6 +134,8 @@ class EnvVar(ApiModel):
     def _one_value(self) -> EnvVar:
         if self.value is not None and self.value_from is not None:
             raise ValueError(f"env {self.name}: set value or valueFrom, not both")
+        if self.value is not None and self.name in CREDENTIAL_ENV:
+            raise ValueError(f"env {self.name} {CREDENTIAL_ENV_MESSAGE}")
         return self
 
     @property

@@ -95,6 +95,18 @@ class Strategy(StrEnum):
     FSDP = "fsdp"
 
 
+class Tracker(StrEnum):
+    """An experiment tracker the trainer reports to, through transformers' own integration (TRL's report_to)."""
+
+    TENSORBOARD = "tensorboard"
+    MLFLOW = "mlflow"
+    WANDB = "wandb"
+    TRACKIO = "trackio"
+
+
+REPORT_TO_DUPLICATE_MESSAGE = "trainer.reportTo names a tracker twice"
+
+
 class ImportanceSamplingMode(StrEnum):
     TRUNCATE = "truncate"
     MASK = "mask"
@@ -384,9 +396,27 @@ class TrainerSpec(PodSettings):
         description=f"Port of the trainer's /metrics; with numNodes > 1 not {TRAINER_RENDEZVOUS_PORT} (the "
         "rendezvous of the trainer pods).",
     )
+    report_to: list[Tracker] = Field(
+        default_factory=list,
+        max_length=len(Tracker),
+        description="Experiment trackers the trainer reports every step's metrics (reward, loss, step and sync time, "
+        "staleness, ...) and its settings to, through transformers' own integrations (TRL's report_to); empty: "
+        "none. tensorboard writes event files on the run's volume (<mountPath>/tracking/<run>/tensorboard); "
+        "mlflow, wandb and trackio take their settings and credentials from env (MLFLOW_TRACKING_URI, "
+        "MLFLOW_EXPERIMENT_NAME, WANDB_PROJECT, WANDB_MODE, ...; WANDB_API_KEY, MLFLOW_TRACKING_TOKEN from a "
+        "Secret). A tracker whose package the trainer image lacks fails the run as InvalidSpec.",
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
     env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.", max_length=64)
 
     _check_image = field_validator("image")(check_image)
+
+    @field_validator("report_to")
+    @classmethod
+    def _report_to_once(cls, value: list[Tracker]) -> list[Tracker]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"{REPORT_TO_DUPLICATE_MESSAGE}: {[str(t) for t in value]}")
+        return value
 
     @property
     def generation_batch_size(self) -> int:
