@@ -8,6 +8,9 @@
 #   bash hack/test.sh tests/server    # extra args go to pytest
 #   bash hack/test.sh --quick         # no root, Go or images: lint, types, contracts, CRD drift and the
 #                                     # unit, server, trainer, local and stage tests without the control plane
+# pytest runs in GRPO_TEST_WORKERS pytest-xdist workers (default 3: most tests wait on processes, sockets
+# and the control plane, so three keep two cores busy); each worker has its own control plane and models,
+# and tests/conftest.py keeps the end-to-end suite (the one real node) on one worker. 0 runs in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -34,7 +37,7 @@ checks() {
 pytest_run() {  # pytest_run ARGS...: exit code 5 (no tests collected) is a failure here
   step "pytest"
   set +e
-  "$PY" -m pytest "$@" -p no:cacheprovider --durations=30 --durations-min=15
+  "$PY" -m pytest -n "${GRPO_TEST_WORKERS:-3}" --dist loadgroup "$@" -p no:cacheprovider --durations=30 --durations-min=15
   rc=$?
   set -e
   if [ "$rc" -eq 5 ]; then
