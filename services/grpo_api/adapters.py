@@ -21,6 +21,7 @@ import re
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
@@ -29,6 +30,30 @@ MANIFEST_NAME = "grpo-manifest.json"
 VERSION_DIR = re.compile(r"^v(\d+)$")
 #: Error type of a manifest entry that is not a plain relative path inside the directory.
 ENTRY_OUTSIDE = "adapter_file_outside"
+
+
+#: LoRA targets a served adapter may not touch (vLLM cannot load them as plain LoRA).
+FORBIDDEN_TARGETS = ("lm_head", "embed_tokens")
+
+
+def plain_lora_problems(config: dict[str, Any]) -> list[str]:
+    """Why an adapter_config.json is not a plain LoRA vLLM can serve (DoRA, bias, modules_to_save, lm_head or
+    embedding targets); empty when it is. The trainer checks what it publishes and a warm-start adapter with it."""
+    problems = []
+    if config.get("peft_type", "LORA") != "LORA":
+        problems.append(f"peft_type is {config.get('peft_type')}, not LORA")
+    if config.get("use_dora"):
+        problems.append("use_dora is set")
+    if config.get("bias", "none") != "none":
+        problems.append(f"bias is {config.get('bias')!r}, not 'none'")
+    if config.get("modules_to_save"):
+        problems.append(f"modules_to_save is {config.get('modules_to_save')}")
+    targets = config.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    bad = [t for t in targets if any(f in str(t) for f in FORBIDDEN_TARGETS)]
+    if bad:
+        problems.append(f"target_modules include {bad}")
+    return problems
 
 
 def entry_problem(rel: str) -> str | None:

@@ -130,6 +130,7 @@ from grpo_api.spec.server import (
     WeightTransfer,
 )
 from grpo_api.spec.sources import (
+    ADAPTER_RULES,
     BUILTIN_REWARDS,
     CODE_SOURCE_PATTERN,
     CONFIGMAP_URI,
@@ -147,6 +148,7 @@ from grpo_api.spec.sources import (
     REVISION_PATTERN,
     REWARD_CODE_RULES,
     REWARD_RULES,
+    AdapterSpec,
     DatasetFormat,
     DatasetSpec,
     HubAccess,
@@ -209,6 +211,7 @@ from grpo_api.spec.trainer import (
 
 __all__ = [
     "ACCESS_MODES_MESSAGE",
+    "ADAPTER_RULES",
     "ANNOTATIONS_SIZE_MESSAGE",
     "ANNOTATION_KEYS_MESSAGE",
     "ANNOTATION_RULES",
@@ -318,6 +321,7 @@ __all__ = [
     "VLLM_LORA_RANKS",
     "VOLUME_SOURCE_MESSAGE",
     "AccessMode",
+    "AdapterSpec",
     "AdapterStatus",
     "ApiModel",
     "CleanupPolicy",

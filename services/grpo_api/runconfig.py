@@ -191,6 +191,19 @@ class RunConfig(BaseModel):
                 f"or pre-fill the cache: {exc}"
             ) from exc
 
+    def adapter_dir(self) -> Path | None:
+        """The warm-start adapter's directory (spec.model.adapter): inside its source, else its path; None without
+        one. Whether it holds an adapter of this model is the initializer's and the trainer's to check."""
+        adapter = self.spec.model.adapter
+        if adapter is None:
+            return None
+        path = self._fetched(self.sources.adapter_dir)
+        if path is not None:
+            return path
+        if adapter.path is None:  # a source the run-config was not resolved for
+            raise RunConfigError(f"spec.model.adapter.source {adapter.source}: not resolved in this run-config")
+        return self.resolve(adapter.path)
+
     def dataset_path(self) -> Path:
         """The dataset file or directory: inside its source, else spec.dataset.path."""
         dataset_path = self._fetched(self.sources.dataset_path)

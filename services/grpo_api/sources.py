@@ -1,6 +1,6 @@
 """Where a run's model, dataset and reward code come from, and where its processes find them.
 
-A source is a URI in the spec (`model.source`, `dataset.source`, `rewardCode.source`):
+A source is a URI in the spec (`model.source`, `model.adapter.source`, `dataset.source`, `rewardCode.source`):
 
 - `pvc://CLAIM/PATH`: an existing PersistentVolumeClaim of the run's namespace, mounted read-only;
 - `hf://[ORG/]NAME[@REVISION]`: a Hugging Face repository, fetched once per run by the initializer
@@ -29,7 +29,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from grpo_api.models import REVISION_PATTERN, DatasetSpec, GRPORunSpec, ModelSpec
+from grpo_api.models import REVISION_PATTERN, AdapterSpec, DatasetSpec, GRPORunSpec, ModelSpec
 
 #: Where sources are mounted in the pods.
 SOURCES_ROOT = "/mnt/grpo"
@@ -38,6 +38,7 @@ REWARDS_DIR = "/opt/grpo/rewards"
 #: Env variables that carry the hub tokens into the initializer (never into the server or trainer).
 MODEL_TOKEN_ENV = "GRPO_HF_TOKEN_MODEL"
 DATASET_TOKEN_ENV = "GRPO_HF_TOKEN_DATASET"
+ADAPTER_TOKEN_ENV = "GRPO_HF_TOKEN_ADAPTER"
 DEFAULT_REVISION = "main"
 #: Hex digits of the sha256 of a hub source's canonical form that end its folder's name (64 bits).
 HUB_DIGEST_CHARS = 16
@@ -173,6 +174,9 @@ class ResolvedSources(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_dir: str | None = Field(default=None, description="The model directory; None: resolve spec.model.")
+    adapter_dir: str | None = Field(
+        default=None, description="The warm-start adapter (spec.model.adapter.source); None: its path, or none."
+    )
     dataset_path: str | None = Field(default=None, description="The dataset; None: spec.dataset.path.")
     reward_paths: list[str] = Field(default_factory=list, description="Directories reward modules import from.")
     fetches: list[HubFetch] = Field(default_factory=list, description="hf:// repositories to fetch first.")
@@ -181,9 +185,9 @@ class ResolvedSources(BaseModel):
     )
 
     def at_commits(self, path: str, commits: dict[str, str]) -> str:
-        """`path` (model_dir or dataset_path) inside the folder of the commit the run's initializer fetched, when it
-        lies in a fetch's source folder (`commits`: fetch.local_dir -> commit); raises SourceError naming the field
-        when that fetch has no commit yet."""
+        """`path` (model_dir, adapter_dir or dataset_path) inside the folder of the commit the run's initializer
+        fetched, when it lies in a fetch's source folder (`commits`: fetch.local_dir -> commit); raises SourceError
+        naming the field when that fetch has no commit yet."""
         for fetch in self.fetches:
             inner = posixpath.relpath(path, fetch.local_dir)
             if inner == ".." or inner.startswith("../"):
@@ -217,9 +221,10 @@ class ClusterLayout:
 
 
 def _hub_fetch(
-    role: Literal["model", "dataset"], section: ModelSpec | DatasetSpec, source: HubSource, field: str,
+    role: Literal["model", "dataset"], section: ModelSpec | AdapterSpec | DatasetSpec, source: HubSource, field: str,
     volume_root: str, token_env: str,
 ) -> HubFetch:
+    """role: the hub's repository type (an adapter is a model repository)."""
     hub = section.hub
     endpoint = hub.endpoint if hub is not None else None
     key = hub_key(role, source, endpoint)
@@ -262,22 +267,23 @@ class _ClusterBuilder:
         return mount
 
     def resolve(
-        self, role: Literal["model", "dataset"], uri: str, path: str | None, field: str, token_env: str
+        self, role: Literal["model", "adapter", "dataset"], section: ModelSpec | AdapterSpec | DatasetSpec, uri: str,
+        path: str | None, field: str, token_env: str,
     ) -> str:
         source = parse_source(uri, field)
-        section = self.spec.model if role == "model" else self.spec.dataset
         match source:
             case ClaimSource(claim=claim, path=inner):
                 return _join(_join(self.claim_root(claim), inner), path)
             case HubSource():
-                fetch = _hub_fetch(role, section, source, field, self.data_root, token_env)
+                repo_type: Literal["model", "dataset"] = "dataset" if role == "dataset" else "model"
+                fetch = _hub_fetch(repo_type, section, source, field, self.data_root, token_env)
                 self.fetches.append(fetch)
                 return _join(fetch.local_dir, path)
             case ImageSource(reference=ref):
                 return _join(self.mounted(role, "image", ref, posixpath.join(SOURCES_ROOT, role)), path)
             case ConfigMapSource(name=name):
-                if role == "model":
-                    raise SourceError(f"{field}: a model cannot come from a ConfigMap")
+                if role != "dataset":
+                    raise SourceError(f"{field}: a {role} cannot come from a ConfigMap")
                 return _join(self.mounted(role, "configmap", name, posixpath.join(SOURCES_ROOT, role)), path)
         raise SourceError(f"{field}: unsupported source {uri!r}")  # pragma: no cover - exhaustive match
 
@@ -305,19 +311,22 @@ class _ClusterBuilder:
 def cluster_layout(spec: GRPORunSpec, *, data_claim: str, inline_rewards_configmap: str) -> ClusterLayout:
     """The source volumes every pod of the run mounts, and where the paths land in them."""
     builder = _ClusterBuilder(spec, data_claim, inline_rewards_configmap)
-    model_dir = dataset_path = None
-    if spec.model.source is not None:
-        model_dir = builder.resolve("model", spec.model.source, spec.model.path, "spec.model.source", MODEL_TOKEN_ENV)
+    model_dir = adapter_dir = dataset_path = None
+    model, adapter = spec.model, spec.model.adapter
+    if model.source is not None:
+        model_dir = builder.resolve("model", model, model.source, model.path, "spec.model.source", MODEL_TOKEN_ENV)
+    if adapter is not None and adapter.source is not None:
+        adapter_dir = builder.resolve("adapter", adapter, adapter.source, adapter.path, "spec.model.adapter.source",
+                                      ADAPTER_TOKEN_ENV)
     if spec.dataset.source is not None:
         dataset_path = builder.resolve(
-            "dataset", spec.dataset.source, spec.dataset.path, "spec.dataset.source", DATASET_TOKEN_ENV
+            "dataset", spec.dataset, spec.dataset.source, spec.dataset.path, "spec.dataset.source", DATASET_TOKEN_ENV
         )
     reward_paths = builder.rewards()
     return ClusterLayout(
         volumes=tuple(builder.volumes),
-        sources=ResolvedSources(
-            model_dir=model_dir, dataset_path=dataset_path, reward_paths=reward_paths, fetches=builder.fetches
-        ),
+        sources=ResolvedSources(model_dir=model_dir, adapter_dir=adapter_dir, dataset_path=dataset_path,
+                                reward_paths=reward_paths, fetches=builder.fetches),
     )
 
 
@@ -326,13 +335,14 @@ def local_sources(spec: GRPORunSpec, volume_root: Path) -> ResolvedSources:
     cluster-only kinds (pvc, oci, configmap) are refused with the field named."""
     root = str(volume_root)
     fetches: list[HubFetch] = []
-    resolved: dict[str, str | None] = {"model": None, "dataset": None}
-    roles: tuple[tuple[Literal["model", "dataset"], ModelSpec | DatasetSpec, str], ...] = (
-        ("model", spec.model, MODEL_TOKEN_ENV),
-        ("dataset", spec.dataset, DATASET_TOKEN_ENV),
+    resolved: dict[str, str | None] = {"model": None, "model.adapter": None, "dataset": None}
+    roles: tuple[tuple[str, Literal["model", "dataset"], ModelSpec | AdapterSpec | DatasetSpec | None, str], ...] = (
+        ("model", "model", spec.model, MODEL_TOKEN_ENV),
+        ("model.adapter", "model", spec.model.adapter, ADAPTER_TOKEN_ENV),
+        ("dataset", "dataset", spec.dataset, DATASET_TOKEN_ENV),
     )
-    for role, section, token_env in roles:
-        if section.source is None:
+    for role, repo_type, section, token_env in roles:
+        if section is None or section.source is None:
             continue
         field = f"spec.{role}.source"
         source = parse_source(section.source, field)
@@ -341,7 +351,7 @@ def local_sources(spec: GRPORunSpec, volume_root: Path) -> ResolvedSources:
                 f"{field}: {section.source!r} names a cluster object; `grpo run` reads local files: set "
                 f"spec.{role}.path instead (or use hf://)"
             )
-        fetch = _hub_fetch(role, section, source, field, root, token_env)
+        fetch = _hub_fetch(repo_type, section, source, field, root, token_env)
         fetches.append(fetch)
         resolved[role] = _join(fetch.local_dir, section.path)
     reward_paths: list[str] = []
@@ -357,6 +367,7 @@ def local_sources(spec: GRPORunSpec, volume_root: Path) -> ResolvedSources:
         reward_paths.append(inline_dir)
     return ResolvedSources(
         model_dir=resolved["model"],
+        adapter_dir=resolved["model.adapter"],
         dataset_path=resolved["dataset"],
         reward_paths=reward_paths,
         fetches=fetches,
@@ -367,7 +378,12 @@ def local_sources(spec: GRPORunSpec, volume_root: Path) -> ResolvedSources:
 def hub_tokens(spec: GRPORunSpec) -> list[tuple[str, str, str]]:
     """(env name, Secret name, key) of each hub token the initializer needs."""
     tokens = []
-    for section, env in ((spec.model, MODEL_TOKEN_ENV), (spec.dataset, DATASET_TOKEN_ENV)):
+    sections: tuple[tuple[ModelSpec | AdapterSpec | DatasetSpec | None, str], ...] = (
+        (spec.model, MODEL_TOKEN_ENV), (spec.model.adapter, ADAPTER_TOKEN_ENV), (spec.dataset, DATASET_TOKEN_ENV)
+    )
+    for section, env in sections:
+        if section is None:
+            continue
         if (section.source or "").startswith("hf://") and section.hub is not None and section.hub.token_secret_ref:
             ref = section.hub.token_secret_ref
             tokens.append((env, ref.name, ref.key))

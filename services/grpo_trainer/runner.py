@@ -35,6 +35,7 @@ from grpo_trainer.transport.policy_sync import AdapterSync, PolicySync
 from grpo_trainer.transport.replica_set import ReplicaSet, dns_discovery, static_discovery
 from grpo_trainer.transport.replicas import ServerPool
 from grpo_trainer.transport.weight_sync import MergedSync, WeightLoader, WeightSync
+from grpo_trainer.warm_start import WarmAdapter, check_warm_adapter, max_adapter_rank
 
 if TYPE_CHECKING:
     from trl import GRPOConfig
@@ -135,6 +136,7 @@ def run_training(cfg: RunConfig, *, attempt: int) -> TrainingProgress:
     except RunConfigError as exc:
         raise InvalidSpec(str(exc)) from exc
     fingerprint = model_fingerprint(model_dir)
+    warm = warm_adapter(cfg, model_dir, fingerprint)
     checkpoint_root = Path(cfg.paths.checkpoint_dir)
     # Claimed before anything there is read: a process of an earlier attempt still alive stops at its next write.
     fence = AttemptFence(cfg.run.uid, attempt, (checkpoint_root, Path(cfg.paths.adapter_root)))
@@ -165,11 +167,27 @@ def run_training(cfg: RunConfig, *, attempt: int) -> TrainingProgress:
         sync = AdapterSync(store, pool, metrics, retry_seconds=t.generation_timeout_seconds)
     try:
         return _train(cfg, attempt=attempt, model_dir=model_dir, resume=resume, metrics=metrics, sync=sync, pool=pool,
-                      health=health, fence=fence)
+                      health=health, fence=fence, warm=warm)
     finally:
         sync.close()
         if pool is not None:
             pool.close()
+
+
+def warm_adapter(cfg: RunConfig, model_dir: Path, fingerprint: str) -> WarmAdapter | None:
+    """spec.model.adapter checked against the base model (as the initializer checked it; the files may have changed
+    since): InvalidSpec naming the field when it cannot start this run; None without one."""
+    try:
+        adapter_dir = cfg.adapter_dir()
+    except RunConfigError as exc:
+        raise InvalidSpec(str(exc)) from exc
+    if adapter_dir is None:
+        return None
+    adapter = check_warm_adapter(adapter_dir, model_dir=model_dir, fingerprint=fingerprint,
+                                 max_rank=max_adapter_rank(cfg.spec))
+    if rank() == 0:
+        log(f"warm start from {adapter.describe()}")
+    return adapter
 
 
 def _train(
@@ -183,6 +201,7 @@ def _train(
     pool: ServerPool | None,
     health: HealthResponse | None,
     fence: AttemptFence,
+    warm: WarmAdapter | None,
 ) -> TrainingProgress:
     """Assemble the attempt's parts, in the order that fails soonest (what this process and TRL support, the
     dataset, the rewards, TRL's settings, then the model), and run them."""
@@ -195,8 +214,9 @@ def _train(
     inputs = _training_inputs(cfg, model_dir)
     args = _grpo_args(cfg, inputs.reward_weights, platform)
     model = _load_model(model_dir, cfg.spec.model.dtype, quantize=t.lora.quantize_base, platform=platform)
-    session = _session(cfg, sync=sync, metrics=metrics, model_dir=model_dir, attempt=attempt, main=main)
-    trainer_kwargs = _trainer_kwargs(cfg, model, inputs, args, fence=fence, session=session)
+    session = _session(cfg, sync=sync, metrics=metrics, model_dir=model_dir, attempt=attempt, main=main,
+                       warm_start=warm is not None)
+    trainer_kwargs = _trainer_kwargs(cfg, model, inputs, args, fence=fence, session=session, warm=warm)
     trainer, backend = _grpo_trainer(cfg, trainer_kwargs, inputs.dataset, session, sync=sync, metrics=metrics,
                                      pool=pool, health=health, main=main)
     _attach_session(cfg, trainer, session, main=main)
@@ -262,37 +282,41 @@ def _grpo_args(cfg: RunConfig, reward_weights: list[float], platform: Platform) 
 
 
 def _session(cfg: RunConfig, *, sync: PolicySync[Any, Any], metrics: TrainerMetrics, model_dir: Path, attempt: int,
-             main: bool) -> TrainingSession:
+             main: bool, warm_start: bool) -> TrainingSession:
     from grpo_trainer.session import TrainingSession
 
     spec = cfg.spec
     t = spec.trainer
     return TrainingSession(sync=sync, metrics=metrics, progress_file=Path(cfg.paths.progress_file),
                            max_steps=t.max_steps, sync_interval=t.sync_interval, attempt=attempt, main=main,
-                           sharded=t.strategy == Strategy.FSDP,
+                           sharded=t.strategy == Strategy.FSDP, warm_start=warm_start,
                            publish_dtype=publish_dtype(str(spec.server.dtype) if spec.server else "auto", model_dir),
                            log=log)
 
 
 def _trainer_kwargs(cfg: RunConfig, model: Any, inputs: _TrainingInputs, args: GRPOConfig, *, fence: AttemptFence,
-                    session: TrainingSession) -> dict[str, Any]:
+                    session: TrainingSession, warm: WarmAdapter | None) -> dict[str, Any]:
     """What TRL's trainer is built from: the model, rewards, settings, dataset, tokenizer, LoRA (none with tuning
-    full: every weight trains) and the callbacks (the attempt's fence, then the session)."""
-    from peft import LoraConfig
+    full: every weight trains; a warm start's adapter, loaded as PEFT loads one to train further, brings its own)
+    and the callbacks (the attempt's fence, then the session)."""
+    from peft import LoraConfig, PeftModel
 
     from grpo_trainer.config import lora_config_kwargs
     from grpo_trainer.fence_callback import FenceCallback
     from grpo_trainer.session import SessionCallback
 
     t = cfg.spec.trainer
+    peft_config = None if t.full else LoraConfig(**lora_config_kwargs(t.lora))
+    if warm is not None:
+        model = PeftModel.from_pretrained(model, str(warm.path), is_trainable=True)
+        peft_config = None  # TRL refuses a PeftModel with a peft_config: the adapter's own config decides
     return {
         "model": model,
         "reward_funcs": inputs.reward_funcs,
         "args": args,
         "train_dataset": inputs.dataset,
         "processing_class": inputs.tokenizer,
-        # tuning full: no adapter, every weight trains
-        "peft_config": None if t.full else LoraConfig(**lora_config_kwargs(t.lora)),
+        "peft_config": peft_config,
         "callbacks": [FenceCallback(fence), SessionCallback(session)],
     }
 

@@ -4,7 +4,8 @@
 `TrainingSession` so they read in one place:
 
 - train begin: when resuming, publish the checkpoint's adapter (the model holds
-  it now) so the server generates from it;
+  it now) so the server generates from it; on a warm start (spec.model.adapter) at step 0, publish the
+  adapter the model was loaded with, so the first generations come from it;
 - step begin/end: the step's wall time (`grpo_trainer_step_seconds`);
 - step end: publish every `syncInterval` optimizer steps and at the last step. The
   adapter's bytes are taken at once (a cast and one copy to the host); writing,
@@ -62,12 +63,14 @@ class TrainingSession:
         attempt: int,
         main: bool = True,
         sharded: bool = False,
+        warm_start: bool = False,
         publish_dtype: str = "float32",
         log: Callable[[str], None] = print,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.main = main
         self.sharded = sharded
+        self.warm_start = warm_start
         self.sync = sync
         self.metrics = metrics
         self.progress_file = progress_file
@@ -132,12 +135,15 @@ class TrainingSession:
     # ------------------------------------------------------------------------------------------- events
 
     def on_train_begin(self, state: TrainerState) -> None:
+        publishes = state.global_step > 0 or self.warm_start
         if not self.main:
-            if state.global_step > 0:
+            if publishes:
                 self.join_gather()
             return
         if state.global_step > 0:
             self.publish(state.global_step, f"resumed from checkpoint-{state.global_step}")
+        elif self.warm_start:
+            self.publish(0, "warm start from spec.model.adapter")
         self.metrics.step.set(state.global_step)
         self.write_progress(state.global_step, done=False)
 

@@ -20,6 +20,8 @@ from grpo_api.models import DEFAULT_SERVER_IMAGE, DEFAULT_TRAINER_IMAGE, GRPORun
 from grpo_api.prepare_protocol import EXIT_PERMANENT
 from grpo_api.runconfig import RunConfig, RunConfigError, run_config_for
 from grpo_api.sources import (
+    ADAPTER_TOKEN_ENV,
+    CLAIMS_ROOT,
     DATASET_TOKEN_ENV,
     MODEL_TOKEN_ENV,
     REWARDS_DIR,
@@ -218,6 +220,50 @@ def test_the_initializer_fails_at_once_on_a_permanent_error_and_retries_a_transi
     assert "token" not in volumes_of(job) and "dshm" not in volumes_of(job)
     assert job["metadata"]["name"] == "r1-init"
     assert spec["template"]["metadata"]["labels"][b.COMPONENT_LABEL] == b.INITIALIZER
+
+
+def test_a_warm_start_adapter_on_another_runs_claim_is_mounted_read_only_for_every_pod() -> None:
+    run = make_run(model={"name": "tiny", "path": "/models/tiny",
+                          "adapter": {"source": "pvc://run-a-data", "path": "adapters/run-a/v4"}})
+    for pod in every_pod(run):
+        (claim,) = [v for v in volumes_of(pod).values() if v.get("persistentVolumeClaim", {}).get("claimName")
+                    == "run-a-data"]
+        assert mounts_of(pod)[claim["name"]]["readOnly"] is True
+    assert run_config(run).sources.adapter_dir == f"{CLAIMS_ROOT}/run-a-data/adapters/run-a/v4"
+
+
+def test_a_warm_start_adapter_on_the_runs_own_claim_needs_no_other_volume() -> None:
+    run = make_run(storage={"existingClaim": "shared"},
+                   model={"name": "tiny", "path": "/models/tiny",
+                          "adapter": {"source": "pvc://shared", "path": "adapters/run-a/v4"}})
+    assert run_config(run).sources.adapter_dir == f"{run.spec.storage.mount_path}/adapters/run-a/v4"
+
+
+def test_hf_and_oci_warm_start_adapters_are_fetched_or_mounted_like_a_model() -> None:
+    hub = make_run(model={"name": "tiny", "path": "/models/tiny", "adapter": {
+        "source": "hf://org/tiny-lora@v1", "hub": {"tokenSecretRef": {"name": "hf", "key": "token"}}}})
+    (fetch,) = run_config(hub).sources.fetches
+    assert (fetch.field, fetch.repo_type, fetch.repo_id, fetch.revision, fetch.token_env) == (
+        "spec.model.adapter.source", "model", "org/tiny-lora", "v1", ADAPTER_TOKEN_ENV)
+    assert run_config(hub).sources.adapter_dir == fetch.local_dir
+    assert raw_env(b.build_initializer_job(hub))[ADAPTER_TOKEN_ENV]["valueFrom"]["secretKeyRef"]["name"] == "hf"
+    image = make_run(model={"name": "tiny", "path": "/models/tiny",
+                            "adapter": {"source": "oci://registry.corp/adapters/tiny:1", "path": "v4"}})
+    for pod in every_pod(image):
+        assert volumes_of(pod)["src-adapter"] == {"name": "src-adapter",
+                                                  "image": {"reference": "registry.corp/adapters/tiny:1"}}
+    assert run_config(image).sources.adapter_dir == "/mnt/grpo/adapter/v4"
+
+
+def test_grpo_run_reads_a_warm_start_adapter_from_a_path_and_refuses_a_claim_naming_the_field(tmp_path: Path) -> None:
+    run = make_run(model={"name": "tiny", "path": "/models/tiny", "adapter": {"path": "../run-a/adapters/v4"}})
+    cfg = run_config_for(run, volume_root=tmp_path, server_url="http://x", token_file=None, base_dir=tmp_path / "b")
+    assert cfg.adapter_dir() == tmp_path / "b" / "../run-a/adapters/v4"
+    claim = make_run(model={"name": "tiny", "path": "/models/tiny", "adapter": {"source": "pvc://run-a-data"}})
+    with pytest.raises(SourceError, match=r"spec\.model\.adapter\.source: 'pvc://run-a-data' names a cluster object"):
+        local_sources(claim.spec, tmp_path)
+    plain = run_config_for(make_run(), volume_root=tmp_path, server_url="http://x", token_file=None)
+    assert plain.adapter_dir() is None
 
 
 def test_env_reads_secrets_config_maps_and_pod_fields() -> None:

@@ -35,6 +35,10 @@ class Mode(StrEnum):
     COLOCATE = "colocate"
 
 
+ADAPTER_NEEDS_LORA = (
+    "spec.model.adapter is a LoRA adapter to train on from: it needs trainer.tuning lora, not full (merge it "
+    "into the model's weights for full fine-tuning)"
+)
 STORAGE_MOUNTS_TAKEN = "a mountPath may not be that of spec.storage or spec.storage.modelCache"
 IMMUTABLE = "spec.{field} cannot change after the run is created"
 PRESENCE = "spec.{field} cannot be added or removed after the run is created"
@@ -72,6 +76,13 @@ def _spec_rules() -> list[cel.Rule]:
             "spec.trainer.lora.r must not exceed spec.server.maxLoraRank "
             f"({ServerSpec.model_fields['max_lora_rank'].default} when spec.server is omitted)",
             fieldPath=".trainer.lora.r",
+        ),
+        cel.rule(
+            "!has(self.model.adapter) || !has(self.trainer) || !has(self.trainer.tuning) || "
+            "self.trainer.tuning != 'full'",
+            ADAPTER_NEEDS_LORA,
+            fieldPath=".model.adapter",
+            reason="FieldValueForbidden",
         ),
         cel.rule(
             "self.mode == 'colocate' || !has(self.storage) || !has(self.storage.accessModes) || "
@@ -157,6 +168,8 @@ class GRPORunSpec(ApiModel):
                 "storage.accessModes: ReadWriteOncePod lets one pod mount the volume, but server mode runs a "
                 "server and a trainer on it; use ReadWriteOnce (same node) or ReadWriteMany"
             )
+        if self.model.adapter is not None and self.trainer.full:
+            raise ValueError(ADAPTER_NEEDS_LORA)
         taken = {self.storage.mount_path, *([self.storage.model_cache.mount_path] if self.storage.model_cache else [])}
         sections: list[ServerSpec | TrainerSpec] = [s for s in (self.server, self.trainer) if s is not None]
         for section in sections:

@@ -1,6 +1,7 @@
 """Where a run's inputs come from: the base model, the prompt dataset, reward functions and their code.
 
-Sources are URIs (pvc://, hf://, oci://, configmap://; grpo_api.sources resolves them to paths); a path
+Sources are URIs (pvc://, hf://, oci://, configmap://; grpo_api.sources resolves them to paths), for the model, a
+warm-start adapter (model.adapter), the dataset and reward code; a path
 inside a source is relative and holds no `..`.
 """
 
@@ -105,6 +106,50 @@ MODEL_RULES: list[cel.Rule] = [
 ]
 
 
+ADAPTER_RULES: list[cel.Rule] = [
+    cel.rule("has(self.source) || has(self.path)", "model.adapter needs a source or a path"),
+    *_source_rules("model.adapter"),
+]
+
+
+class AdapterSpec(ApiModel):
+    """A LoRA adapter trained earlier (by another run, or published on the hub) that training starts from.
+
+    It is loaded as `PeftModel.from_pretrained(model, path, is_trainable=True)` loads it: its own
+    adapter_config.json decides the rank, alpha, dropout and target modules (spec.trainer.lora's r, alpha,
+    dropout and targetModules are not used), and the server serves it from step 0.
+    """
+
+    source: str | None = Field(
+        default=None,
+        description="Where the adapter comes from: pvc://CLAIM/PATH (an existing claim in the run's namespace, "
+        "e.g. another run's volume: pvc://CLAIM/adapters/RUN/vN), hf://ORG/NAME@REVISION (an adapter repository, "
+        "fetched once per run onto the run's volume), or oci://REGISTRY/IMAGE:TAG (an image volume). `path` is "
+        "then the adapter directory inside the source.",
+        max_length=1024,
+        pattern=MODEL_SOURCE_PATTERN,
+    )
+    path: str | None = Field(
+        default=None,
+        description="With `source`: the adapter directory inside it (relative). Without: a directory on a "
+        "mounted volume (absolute in the cluster; relative to the run file for `grpo run`). It holds "
+        "adapter_config.json and adapter_model.safetensors (and grpo-manifest.json when a run published it).",
+        max_length=1024,
+    )
+    hub: HubAccess | None = Field(default=None, description="Token and endpoint for an hf:// source.")
+
+    model_config = ConfigDict(json_schema_extra=cel.rules(*ADAPTER_RULES))
+
+    @model_validator(mode="after")
+    def _source_path(self) -> AdapterSpec:
+        if self.source is None and self.path is None:
+            raise ValueError("model.adapter needs a source or a path")
+        _check_source_path("model.adapter", self.source, self.path)
+        if self.hub is not None and not (self.source or "").startswith("hf://"):
+            raise ValueError("model.adapter.hub applies only to an hf:// model.adapter.source")
+        return self
+
+
 class ModelSpec(ApiModel):
     """The base model that the server serves and the trainer adapts."""
 
@@ -136,6 +181,12 @@ class ModelSpec(ApiModel):
     )
     hub: HubAccess | None = Field(default=None, description="Token and endpoint for an hf:// source.")
     dtype: ModelDType = Field(default=ModelDType.AUTO, description="Weights dtype for serving and training.")
+    adapter: AdapterSpec | None = Field(
+        default=None,
+        description="Warm start: a LoRA adapter of this base model to train on from (its rank, alpha and "
+        "target modules come with it; checked against the model before any server starts; the server serves it "
+        "as the first adapter version, at step 0). Not with trainer.tuning full.",
+    )
 
     model_config = ConfigDict(json_schema_extra=cel.rules(*MODEL_RULES))
 

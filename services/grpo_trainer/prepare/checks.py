@@ -1,5 +1,5 @@
-"""What the server and trainer will read, checked before either starts: the image, the model, the dataset, the
-reward functions; and the model's fingerprint cached beside its weights."""
+"""What the server and trainer will read, checked before either starts: the image, the model, the warm-start adapter,
+the dataset, the reward functions; and the model's fingerprint cached beside its weights."""
 
 from __future__ import annotations
 
@@ -114,3 +114,22 @@ def warm_fingerprint(model_dir: Path, reporter: Reporter) -> None:
         model_fingerprint(model_dir)
     except (OSError, ValueError) as exc:
         reporter.note(f"the model fingerprint is not cached ({type(exc).__name__}: {exc}); the server computes it")
+
+
+def check_warm_adapter(cfg: RunConfig, model_dir: Path, reporter: Reporter) -> None:
+    """spec.model.adapter, when set: an adapter of this base model that the server can serve (warm_start)."""
+    from grpo_trainer.warm_start import WarmAdapterRefused, check_warm_adapter, max_adapter_rank
+
+    try:
+        adapter_dir = cfg.adapter_dir()
+    except RunConfigError as exc:
+        raise PrepareFailed(str(exc), permanent=True) from exc
+    if adapter_dir is None:
+        return
+    reporter.progress(f"checking the warm-start adapter in {adapter_dir}")
+    try:
+        adapter = check_warm_adapter(adapter_dir, model_dir=model_dir, fingerprint=model_fingerprint(model_dir),
+                                     max_rank=max_adapter_rank(cfg.spec))
+    except WarmAdapterRefused as exc:
+        raise PrepareFailed(str(exc), permanent=True) from exc
+    reporter.note(f"warm start from {adapter.describe()}")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from grpo_api.prepare_protocol import EXIT_PERMANENT, EXIT_READY, EXIT_TRANSIENT
 from grpo_api.runconfig import RunConfig, RunConfigError, load_run_config
-from grpo_trainer.prepare.checks import check_image, check_sources, warm_fingerprint
+from grpo_trainer.prepare.checks import check_image, check_sources, check_warm_adapter, warm_fingerprint
 from grpo_trainer.prepare.errors import PrepareFailed
 from grpo_trainer.prepare.hub import fetch_repository
 from grpo_trainer.prepare.inline_rewards import write_inline_rewards
@@ -26,6 +26,7 @@ def prepare(cfg: RunConfig, reporter: Reporter) -> PrepareResult:
                                 permanent=True) from exc
     result = check_sources(cfg, reporter)
     warm_fingerprint(result.model_dir, reporter)
+    check_warm_adapter(cfg, result.model_dir, reporter)
     return result
 
 

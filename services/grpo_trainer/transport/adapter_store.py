@@ -25,6 +25,7 @@ from grpo_api.adapters import (
     build_manifest,
     fsync_tree,
     list_versions,
+    plain_lora_problems,
     read_manifest,
     version_dir,
     write_manifest,
@@ -34,8 +35,6 @@ from grpo_trainer.errors import TrainingFailed
 from grpo_trainer.transport.adapter_files import ADAPTER_CONFIG
 
 TMP_PREFIX = ".tmp-"
-#: LoRA targets a served adapter may not touch (vLLM cannot load them as plain LoRA).
-FORBIDDEN_TARGETS = ("lm_head", "embed_tokens")
 
 
 @dataclass(frozen=True)
@@ -60,21 +59,7 @@ def check_servable(adapter_dir: Path) -> None:
     config_path = adapter_dir / ADAPTER_CONFIG
     if not config_path.is_file():
         raise TrainingFailed(f"{config_path} missing: the saved adapter is not a PEFT LoRA adapter")
-    config = json.loads(config_path.read_text())
-    problems = []
-    if config.get("peft_type", "LORA") != "LORA":
-        problems.append(f"peft_type is {config.get('peft_type')}, not LORA")
-    if config.get("use_dora"):
-        problems.append("use_dora is set")
-    if config.get("bias", "none") != "none":
-        problems.append(f"bias is {config.get('bias')!r}, not 'none'")
-    if config.get("modules_to_save"):
-        problems.append(f"modules_to_save is {config.get('modules_to_save')}")
-    targets = config.get("target_modules") or []
-    targets = [targets] if isinstance(targets, str) else list(targets)
-    bad = [t for t in targets if any(f in t for f in FORBIDDEN_TARGETS)]
-    if bad:
-        problems.append(f"target_modules include {bad}")
+    problems = plain_lora_problems(json.loads(config_path.read_text()))
     if problems:
         raise TrainingFailed(f"{adapter_dir}: adapter cannot be served by vLLM as plain LoRA: {'; '.join(problems)}")
 
