@@ -111,23 +111,6 @@ class ServedModel:
     linear_shapes: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
 
-def linear_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
-    """(out, in) of every 2-D `<module>.weight` in the model's safetensors files, read from their headers.
-
-    Empty when the model has no safetensors weights (the shape check is then skipped).
-    """
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, int]] = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
-                shape = handle.get_slice(key).get_shape()
-                if key.endswith(".weight") and len(shape) == 2:
-                    shapes[key.removesuffix(".weight")] = (int(shape[0]), int(shape[1]))
-    return shapes
-
-
 @dataclass(frozen=True)
 class CheckedAdapter:
     path: Path  # resolved, inside the adapter root

@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from grpo_api.adapters import linear_shapes
 from grpo_api.fingerprint import model_fingerprint
 from grpo_api.protocol import (
     ActiveAdapter,
@@ -32,7 +33,6 @@ from grpo_server.adapter_checks import (
     CheckedAdapter,
     ServedModel,
     inspect_adapter,
-    linear_shapes,
     verify_adapter_files,
 )
 from grpo_server.engines import EngineUnavailable, choose_engine, create_engine

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_api.adapters import MANIFEST_NAME, ManifestError, plain_lora_problems, verify_manifest
+from grpo_api.adapters import MANIFEST_NAME, ManifestError, linear_shapes, plain_lora_problems, verify_manifest
 from grpo_api.models import GRPORunSpec, Mode
 from grpo_trainer.errors import InvalidSpec
 
@@ -118,20 +118,6 @@ def _read_config(adapter_dir: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise _refuse(adapter_dir, f"{ADAPTER_CONFIG} is not a JSON object")
     return config
-
-
-def linear_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
-    """(out, in) of every 2-D `<module>.weight` in the model's safetensors headers; empty without safetensors."""
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, int]] = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
-                shape = handle.get_slice(key).get_shape()
-                if key.endswith(".weight") and len(shape) == 2:
-                    shapes[key.removesuffix(".weight")] = (int(shape[0]), int(shape[1]))
-    return shapes
 
 
 def _check_shapes(adapter_dir: Path, weights: Path, model: Mapping[str, tuple[int, int]]) -> list[int]:

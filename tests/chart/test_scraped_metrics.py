@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import yaml
 from tests.fixtures.chart_values import SCENARIOS
 from tests.fixtures.controlplane import ControlPlane
 from tests.fixtures.metric_queries import dashboard_queries, metric_names, variable_metrics
+from tests.fixtures.processes import end_process_group
 from tests.fixtures.server import RunningServer, free_port
 from tests.fixtures.waiting import wait_for
 
@@ -115,13 +115,7 @@ def test_trainer_metrics_used_by_dashboards_and_alerts_are_served(used_metrics: 
     try:
         text = wait_for(scrape_after_a_step, timeout=240, interval=0.2, what="a trainer step on /metrics")
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        end_process_group(proc, timeout=30)
         log.close()
     absent = missing(used_metrics, "grpo_trainer_", exposed_series(text))
     assert not absent, f"a running trainer does not export {absent}"
@@ -156,12 +150,7 @@ def test_operator_metrics_used_by_dashboards_and_alerts_are_served(used_metrics:
         liveness = httpx.get(f"http://127.0.0.1:{liveness_port}/healthz", timeout=5)
         assert liveness.status_code == 200, liveness.text  # what the chart's livenessProbe asks
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        end_process_group(proc)
     absent = missing(used_metrics, "grpo_operator_", exposed_series(text))
     assert not absent, f"a running operator does not export {absent}"
 

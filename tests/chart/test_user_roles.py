@@ -8,10 +8,7 @@ what they should, asked as those users (`kubectl --as`).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import socket
 import ssl
 import subprocess
@@ -27,6 +24,7 @@ import pytest
 
 from tests.fixtures.controlplane import CONTROLLERS, ControlPlane
 from tests.fixtures.helm_cli import Helm
+from tests.fixtures.processes import end_process_group
 from tests.fixtures.waiting import wait_for
 
 from .conftest import CHART, Chart, ChartTools, find
@@ -121,14 +119,7 @@ def role_aggregation(control_plane: ControlPlane, tmp_path_factory: pytest.TempP
             time.sleep(0.2)
         yield
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        end_process_group(proc, timeout=10)
 
 
 def run_manifest(namespace: str) -> str:
