@@ -209,6 +209,8 @@ class RunConfig(BaseModel):
         dataset_path = self._fetched(self.sources.dataset_path)
         if dataset_path is not None:
             return dataset_path
+        if self.spec.dataset.path is None:  # a source the run-config was not resolved for
+            raise RunConfigError(f"spec.dataset.source {self.spec.dataset.source}: not resolved in this run-config")
         return self.resolve(self.spec.dataset.path)
 
     def reward_search_paths(self) -> list[Path]:

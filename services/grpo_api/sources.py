@@ -49,6 +49,16 @@ HUB_READABLE_CHARS = 200
 #: cache (snapshots/<commit>), each complete once and never changed after.
 HUB_SNAPSHOTS = "snapshots"
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+#: The files of an hf:// model fetched when spec.model.hub.allowPatterns is not set: what transformers and vLLM load
+#: (weights in safetensors and their index, config.json, generation_config.json, the tokenizer: tokenizer.json,
+#: tokenizer_config.json, vocab.json, merges.txt, vocab.txt, a sentencepiece *.model, a *.tiktoken vocabulary,
+#: chat_template.jinja). Other formats (ONNX, GGUF, Flax, TF, original/*.pth) stay on the hub.
+MODEL_DEFAULT_ALLOW_PATTERNS: tuple[str, ...] = ("*.safetensors", "*.json", "*.model", "*.tiktoken", "*.txt",
+                                                 "*.jinja")
+#: Added to the default when the repository lists no *.safetensors: PyTorch weights (pytorch_model*.bin).
+MODEL_FALLBACK_WEIGHT_PATTERNS: tuple[str, ...] = ("*.bin",)
+#: The files that are weights in a model repository: patterns that select none of them are refused.
+MODEL_WEIGHT_PATTERNS: tuple[str, ...] = ("*.safetensors", "*.bin")
 
 
 class SourceError(ValueError):
@@ -108,25 +118,35 @@ def parse_source(uri: str, field: str) -> Source:
 class HubKey:
     """What makes one hf:// source distinct from another: its folder on a volume is named by it, and the
     fetch record in that folder names it. The endpoint belongs to it (another hub's org/model@main may
-    be another repository); so would any file patterns the spec gains."""
+    be another repository), and so do the file patterns (a folder holds one selection of the files)."""
 
     repo_type: Literal["model", "dataset"]
     repo_id: str
     revision: str
     endpoint: str | None  # without a trailing '/'; None: the default hub
+    allow_patterns: tuple[str, ...] | None = None  # None: every file
+    ignore_patterns: tuple[str, ...] = ()
 
-    def to_json(self) -> dict[str, str | None]:
-        return {"repoType": self.repo_type, "repoId": self.repo_id, "revision": self.revision,
-                "endpoint": self.endpoint}
+    def to_json(self) -> dict[str, str | list[str] | None]:
+        # patterns only when set: the folders of sources fetched whole keep the names they had before patterns
+        record: dict[str, str | list[str] | None] = {
+            "repoType": self.repo_type, "repoId": self.repo_id, "revision": self.revision, "endpoint": self.endpoint}
+        if self.allow_patterns is not None:
+            record["allowPatterns"] = list(self.allow_patterns)
+        if self.ignore_patterns:
+            record["ignorePatterns"] = list(self.ignore_patterns)
+        return record
 
     def digest(self) -> str:
         canonical = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:HUB_DIGEST_CHARS]
 
 
-def hub_key(repo_type: Literal["model", "dataset"], source: HubSource, endpoint: str | None) -> HubKey:
+def hub_key(repo_type: Literal["model", "dataset"], source: HubSource, endpoint: str | None,
+            allow_patterns: tuple[str, ...] | None = None, ignore_patterns: tuple[str, ...] = ()) -> HubKey:
     return HubKey(repo_type=repo_type, repo_id=source.repo_id, revision=source.revision or DEFAULT_REVISION,
-                  endpoint=endpoint.rstrip("/") if endpoint else None)
+                  endpoint=endpoint.rstrip("/") if endpoint else None, allow_patterns=allow_patterns,
+                  ignore_patterns=ignore_patterns)
 
 
 def hub_dir(volume_root: str, key: HubKey) -> str:
@@ -162,10 +182,24 @@ class HubFetch(BaseModel):
     local_dir: str = Field(description="Where the files land (on the run's volume).")
     token_env: str | None = Field(default=None, description="Env variable holding the token, if any.")
     endpoint: str | None = None
+    allow_patterns: list[str] | None = Field(default=None, description="Only the files matching one; None: all.")
+    ignore_patterns: list[str] = Field(default_factory=list, description="Files skipped (after allow_patterns).")
+    model_weights: bool = Field(
+        default=False,
+        description="The base model: its patterns must select weights, and the default (allow_patterns None in "
+        "the spec) adds *.bin when the repository has no *.safetensors.",
+    )
+    default_patterns: bool = Field(default=False, description="allow_patterns is the model's default.")
 
     @property
     def key(self) -> HubKey:
-        return hub_key(self.repo_type, HubSource(self.repo_id, self.revision), self.endpoint)
+        return hub_key(self.repo_type, HubSource(self.repo_id, self.revision), self.endpoint,
+                       None if self.allow_patterns is None else tuple(self.allow_patterns), tuple(self.ignore_patterns))
+
+    @property
+    def patterns_field(self) -> str:
+        """The spec fields of the patterns, e.g. spec.model.hub.allowPatterns/ignorePatterns."""
+        return f"{self.field.rsplit('.', 1)[0]}.hub.allowPatterns/ignorePatterns"
 
 
 class ResolvedSources(BaseModel):
@@ -227,7 +261,13 @@ def _hub_fetch(
     """role: the hub's repository type (an adapter is a model repository)."""
     hub = section.hub
     endpoint = hub.endpoint if hub is not None else None
-    key = hub_key(role, source, endpoint)
+    base_model = isinstance(section, ModelSpec)
+    allow = hub.allow_patterns if hub is not None else None
+    default_patterns = base_model and allow is None
+    if default_patterns:
+        allow = list(MODEL_DEFAULT_ALLOW_PATTERNS)
+    ignore = list(hub.ignore_patterns or []) if hub is not None else []
+    key = hub_key(role, source, endpoint, None if allow is None else tuple(allow), tuple(ignore))
     return HubFetch(
         field=field,
         repo_id=key.repo_id,
@@ -236,6 +276,10 @@ def _hub_fetch(
         local_dir=hub_dir(volume_root, key),
         token_env=token_env if hub is not None and hub.token_secret_ref is not None else None,
         endpoint=endpoint,
+        allow_patterns=allow,
+        ignore_patterns=ignore,
+        model_weights=base_model,
+        default_patterns=default_patterns,
     )
 
 

@@ -1,4 +1,5 @@
-"""The prompt dataset: a jsonl or parquet file, or a `save_to_disk` directory, with a prompt column.
+"""The prompt dataset: a jsonl or parquet file, a `save_to_disk` directory, or a directory laid out as a hub dataset
+repository (loaded by config and split, as `datasets.load_dataset` loads it), with a prompt column.
 
 Prompts are plain strings (tokenized as they are) or conversations (a list of
 {role, content} messages; TRL applies the tokenizer's chat template). Either
@@ -14,6 +15,7 @@ import json
 import logging
 import os
 import stat
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,7 @@ def detect_format(path: Path, declared: DatasetFormat | str) -> DatasetFormat:
     if declared != DatasetFormat.AUTO:
         return DatasetFormat(declared)
     if path.is_dir():
-        return DatasetFormat.ARROW
+        return DatasetFormat.ARROW if _saved_to_disk(path) else DatasetFormat.REPOSITORY
     if path.suffix in {".jsonl", ".json"}:
         return DatasetFormat.JSONL
     if path.suffix == ".parquet":
@@ -132,16 +134,55 @@ def _read_saved(path: Path, split: str) -> Dataset:
     return loaded
 
 
+def _saved_to_disk(path: Path) -> bool:
+    """A directory `save_to_disk` wrote: a DatasetDict's dataset_dict.json, or a Dataset's state.json."""
+    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+
+
+def _read_repository(path: Path, spec: DatasetSpec) -> Dataset:
+    """The split of the config, read as `load_dataset(path, config, split=split)` reads it: configs from README.md's
+    `configs`, else one `default` whose splits come from the data files' names (data/train-00000-of-00002.parquet,
+    test.jsonl...). The Arrow files it builds go to a temporary directory; the rows stay in memory."""
+    from datasets import get_dataset_config_names, get_dataset_default_config_name, load_dataset_builder
+
+    where = f"{spec.source} ({path})" if spec.source else str(path)
+    configs = get_dataset_config_names(str(path))
+    config = spec.config or get_dataset_default_config_name(str(path))
+    if config is None and len(configs) == 1:
+        config = configs[0]
+    if config is None:
+        raise DatasetError(f"spec.dataset.config: {where} has several configs and no default; name one of "
+                           f"{', '.join(configs)}")
+    if config not in configs:
+        raise DatasetError(f"spec.dataset.config: {where} has no config {config!r}; configs: {', '.join(configs)}")
+    with tempfile.TemporaryDirectory(prefix="grpo-dataset-") as cache:
+        builder = load_dataset_builder(str(path), config, cache_dir=cache)
+        splits = list(builder.config.data_files or {})
+        if spec.split not in splits:
+            raise DatasetError(f"spec.dataset.split: {where} has no split {spec.split!r} in config {config!r}; "
+                               f"splits: {', '.join(splits) or 'none'}")
+        builder.download_and_prepare()
+        loaded = builder.as_dataset(split=spec.split, in_memory=True)
+    if not isinstance(loaded, Dataset):  # pragma: no cover - one split of a map-style builder
+        raise DatasetError(f"spec.dataset: {where} split {spec.split!r} is not a map-style dataset")
+    return loaded
+
+
 def read_dataset(path: Path, spec: DatasetSpec) -> Dataset:
     """Read the file or directory; no validation of the columns yet."""
     if not path.exists():
         raise DatasetError(f"spec.dataset.path: {path} does not exist")
     fmt = detect_format(path, spec.format)
+    if spec.config is not None and fmt != DatasetFormat.REPOSITORY:
+        raise DatasetError(f"spec.dataset.config: {path} is a {fmt.value} dataset, not a dataset repository "
+                           "directory; a config applies to a repository (hf:// without a path, or its directory)")
     try:
         if fmt == DatasetFormat.JSONL:
             return _read_jsonl(path, spec.prompt_field)
         if fmt == DatasetFormat.PARQUET:
             return Dataset(InMemoryTable(pq.read_table(path)))
+        if fmt == DatasetFormat.REPOSITORY:
+            return _read_repository(path, spec)
         return _read_saved(path, spec.split)
     except (DatasetError, MemoryError):
         raise

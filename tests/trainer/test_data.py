@@ -98,3 +98,79 @@ def test_a_parquet_file_without_the_prompt_column_names_the_columns(tmp_path: Pa
 def test_prompts_longer_than_max_prompt_length_are_dropped(tmp_path: Path):
     ds = load(write_jsonl(tmp_path / "p.jsonl", ROWS), max_prompt_length=2)
     assert ds["prompt"] == ["d e"]
+
+
+# --------------------------------------------------------------- a dataset repository, by config and split
+
+
+def write_repository(root: Path, files: dict[str, bytes]) -> Path:
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return root
+
+
+def gsm8k_like(n: int = 6) -> dict[str, dict[str, list[dict]]]:
+    return {
+        "main": {"train": [{"prompt": f"main q{i}", "answer": str(i)} for i in range(n)],
+                 "test": [{"prompt": f"main t{i}", "answer": str(i)} for i in range(2)]},
+        "socratic": {"train": [{"prompt": f"socratic q{i}", "answer": str(i)} for i in range(n)]},
+    }
+
+
+def repo_spec(root: Path, **spec) -> DatasetSpec:
+    return DatasetSpec(source="hf://openai/gsm8k@main", **spec)
+
+
+def read(root: Path, **spec) -> Dataset:
+    return load_prompts(root, repo_spec(root, **spec), tokenizer=Tokenizer(), max_prompt_length=None, min_rows=1)
+
+
+@pytest.mark.parametrize(("config", "split"), [("main", "train"), ("main", "test"), ("socratic", "train")])
+def test_a_sharded_repository_loads_the_rows_load_dataset_loads_for_its_config_and_split(
+    tmp_path: Path, config: str, split: str
+):
+    from datasets import load_dataset
+
+    from tests.fixtures.hub import sharded_dataset_files
+
+    root = write_repository(tmp_path / "repo", sharded_dataset_files(gsm8k_like()))
+    expected = load_dataset(str(root), config, split=split, cache_dir=str(tmp_path / "cache"))
+    assert read(root, config=config, split=split).to_list() == expected.to_list()
+    assert len(expected) == len(gsm8k_like()[config][split])
+
+
+def test_split_names_come_from_the_file_names_without_a_readme_config(tmp_path: Path):
+    from datasets import load_dataset
+
+    from tests.fixtures.hub import sharded_dataset_files
+
+    root = write_repository(tmp_path / "repo", sharded_dataset_files({"default": gsm8k_like()["main"]},
+                                                                     readme_configs=False))
+    assert sorted(p.name for p in (root / "data").iterdir())[0] == "test-00000-of-00002.parquet"
+    for split in ("train", "test"):
+        expected = load_dataset(str(root), split=split, cache_dir=str(tmp_path / "cache")).to_list()
+        assert read(root, split=split).to_list() == expected
+
+
+def test_an_unknown_config_a_missing_split_or_no_config_of_several_fail_naming_the_field_and_the_source(
+    tmp_path: Path
+):
+    from tests.fixtures.hub import sharded_dataset_files
+
+    root = write_repository(tmp_path / "repo", sharded_dataset_files(gsm8k_like()))
+    with pytest.raises(DatasetError, match=r"^spec\.dataset\.config: hf://openai/gsm8k@main .* has no config "
+                                           r"'nope'; configs: main, socratic$"):
+        read(root, config="nope")
+    with pytest.raises(DatasetError, match=r"^spec\.dataset\.split: hf://openai/gsm8k@main .* has no split "
+                                           r"'validation' in config 'main'; splits: train, test$"):
+        read(root, config="main", split="validation")
+    with pytest.raises(DatasetError, match=r"^spec\.dataset\.config: hf://openai/gsm8k@main .* has several configs "
+                                           r"and no default; name one of main, socratic$"):
+        read(root)
+
+
+def test_a_config_of_a_file_or_a_saved_dataset_is_refused_naming_the_field(tmp_path: Path):
+    jsonl = write_jsonl(tmp_path / "p.jsonl", ROWS)
+    with pytest.raises(DatasetError, match=r"^spec\.dataset\.config: .*p\.jsonl is a jsonl dataset"):
+        load(jsonl, config="main")

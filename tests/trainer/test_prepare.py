@@ -27,11 +27,19 @@ from grpo_api.prepare_protocol import (
     parse_event,
 )
 from grpo_api.runconfig import RunConfig, RunConfigError, load_run_config, run_config_for
-from grpo_api.sources import DATASET_TOKEN_ENV, MODEL_TOKEN_ENV, ResolvedSources, hub_snapshot_dir, local_sources
+from grpo_api.sources import (
+    DATASET_TOKEN_ENV,
+    MODEL_TOKEN_ENV,
+    HubFetch,
+    ResolvedSources,
+    hub_snapshot_dir,
+    local_sources,
+)
 from grpo_trainer.prepare.errors import PrepareFailed
+from grpo_trainer.prepare.hub import selected_files
 from grpo_trainer.prepare.inline_rewards import write_inline_rewards
 from grpo_trainer.prepare.reporting import FetchProgress, Reporter
-from tests.fixtures.hub import FakeHub, repo_files, running_hub
+from tests.fixtures.hub import FakeHub, repo_files, running_hub, sharded_dataset_files
 from tests.fixtures.prepare_cli import invoke, spec_with, write_config
 
 TOKEN = "hf_secret_TOKEN_0123456789"
@@ -83,9 +91,10 @@ def termination_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def hub_run_file(tmp_path: Path, endpoint: str, dataset: Path, *, repo: str = "org/tiny", revision: str = "main",
-                 token: bool = True) -> Path:
-    """A GRPORun file whose model is hf://REPO@REV on the fake hub (`grpo run`'s way: local_sources)."""
-    hub_access: dict[str, Any] = {"endpoint": endpoint}
+                 token: bool = True, patterns: dict[str, list[str]] | None = None) -> Path:
+    """A GRPORun file whose model is hf://REPO@REV on the fake hub (`grpo run`'s way: local_sources); `patterns`:
+    its hub's allowPatterns and ignorePatterns."""
+    hub_access: dict[str, Any] = {"endpoint": endpoint, **(patterns or {})}
     if token:
         hub_access["tokenSecretRef"] = {"name": "hf", "key": "token"}
     run = {
@@ -498,6 +507,147 @@ def test_a_dataset_repository_is_fetched_and_checked(
                for r in hub.requests)
     assert all(r.authorization == f"Bearer {TOKEN}" for r in hub.requests)
     assert final(result).message.endswith(f"dataset {local} (64 prompts), 1 reward function")
+
+
+# ------------------------------------------------------------------------------- hub data by name (issue 31)
+
+
+def model_fetch(**patterns: Any) -> HubFetch:
+    run = GRPORun.model_validate({"metadata": {"name": "r"}, "spec": {
+        "model": {"name": "m", "source": "hf://org/m@main", **({"hub": patterns} if patterns else {})},
+        "dataset": {"path": "/d.jsonl"}, "rewards": [{"function": "exact_match"}]}})
+    (fetch,) = local_sources(run.spec, Path("/v")).fetches
+    return fetch
+
+
+TRANSFORMERS_FOLDER = ["config.json", "generation_config.json", "model-00001-of-00002.safetensors",
+                       "model-00002-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json",
+                       "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                       "tokenizer.model", "chat_template.jinja"]
+OTHER_FORMATS = ["pytorch_model.bin", "model.onnx", "onnx/model_quantized.onnx", "model.gguf", "flax_model.msgpack",
+                 "tf_model.h5", "original/consolidated.00.pth", "README.md", ".gitattributes", "LICENSE"]
+
+
+def test_a_hub_model_fetches_its_weights_config_and_tokenizer_by_default() -> None:
+    assert selected_files(model_fetch(), TRANSFORMERS_FOLDER + OTHER_FORMATS) == TRANSFORMERS_FOLDER
+
+
+def test_a_hub_model_without_safetensors_fetches_its_pytorch_weights() -> None:
+    names = ["config.json", "pytorch_model.bin", "tokenizer.json", "model.onnx"]
+    assert selected_files(model_fetch(), names) == ["config.json", "pytorch_model.bin", "tokenizer.json"]
+    # the fallback is the default's: patterns the spec names are taken as they are
+    assert selected_files(model_fetch(allowPatterns=["*.json"], ignorePatterns=["tokenizer*"]),
+                          ["config.json", "tokenizer.json"]) == ["config.json"]
+
+
+def test_allow_and_ignore_patterns_select_as_snapshot_download_does() -> None:
+    fetch = model_fetch(allowPatterns=["*.safetensors", "*.json", "onnx/"], ignorePatterns=["*quantized*"])
+    assert selected_files(fetch, TRANSFORMERS_FOLDER + OTHER_FORMATS) == [
+        "config.json", "generation_config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+        "vocab.json"]
+
+
+@pytest.mark.parametrize(("patterns", "why"), [
+    ({"allowPatterns": ["*.json", "*.txt"]}, "select no weight file (*.safetensors, *.bin) of the repository's 3, "
+                                             "e.g. model-00001-of-00002.safetensors"),
+    ({"ignorePatterns": ["model*"]}, "select no weight file"),
+    ({"allowPatterns": ["weights/*"]}, "select none of the repository's 22 files"),
+])
+def test_patterns_that_leave_out_every_weight_file_are_refused_naming_the_fields_and_the_source(
+    patterns: dict[str, list[str]], why: str,
+) -> None:
+    with pytest.raises(PrepareFailed) as failed:
+        selected_files(model_fetch(**patterns), TRANSFORMERS_FOLDER + OTHER_FORMATS)
+    assert failed.value.permanent
+    assert str(failed.value).startswith("spec.model.hub.allowPatterns/ignorePatterns: hf://org/m@main: the patterns ")
+    assert why in str(failed.value)
+
+
+def test_a_hub_model_fetch_skips_what_is_not_weights_config_or_tokenizer_and_the_model_loads(
+    hub: FakeHub, tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, termination_log: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model_files = repo_files(tiny_model_dir)
+    hub.add("org/tiny", {**model_files, "model.onnx": b"\0" * (4 << 20), "pytorch_model.bin": b"\1" * (4 << 20),
+                         "README.md": b"# tiny\n"})
+    monkeypatch.setenv(MODEL_TOKEN_ENV, TOKEN)
+    run_file = hub_run_file(tmp_path, hub.url, tiny_dataset)
+
+    result = invoke(run_file)
+
+    assert result.exit_code == 0, result.output
+    assert sorted(hub.file_gets()) == sorted(model_files)
+    assert not [r for r in hub.file_requests() if r.path.endswith(("model.onnx", "pytorch_model.bin", "README.md"))]
+    model_dir = local_model_dir(run_file)
+    assert sorted(p.name for p in model_dir.iterdir() if p.is_file()) == sorted(model_files)
+    AutoModelForCausalLM.from_pretrained(str(model_dir))  # a transformers model folder, whole
+
+
+def test_hub_patterns_that_leave_out_every_weight_file_fail_the_prepare_for_good_before_any_download(
+    hub: FakeHub, tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, termination_log: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hub.add("org/tiny", repo_files(tiny_model_dir))
+    monkeypatch.setenv(MODEL_TOKEN_ENV, TOKEN)
+
+    result = invoke(hub_run_file(tmp_path, hub.url, tiny_dataset, patterns={"ignorePatterns": ["*.safetensors"]}))
+
+    assert result.exit_code == EXIT_PERMANENT, result.output
+    assert final(result).message.startswith("spec.model.hub.allowPatterns/ignorePatterns: hf://org/tiny@main: the "
+                                            "patterns select no weight file")
+    assert hub.file_gets() == []
+
+
+def test_a_dataset_repository_fetched_by_config_and_split_loads_the_rows_load_dataset_loads(
+    hub: FakeHub, tiny_model_dir: Path, tiny_dataset: Path, tmp_path: Path, termination_log: Path,
+) -> None:
+    from datasets import load_dataset
+
+    from grpo_trainer.data import read_dataset
+
+    rows = [json.loads(line) for line in tiny_dataset.read_text().splitlines()]
+    files = sharded_dataset_files({"main": {"train": rows, "test": rows[:8]},
+                                   "socratic": {"train": [{**r, "prompt": "Think. " + r["prompt"]} for r in rows]}})
+    hub.add("openai/gsm8k", {**files, "images/big.bin": b"\0" * (1 << 20)}, repo_type="dataset")
+    run = {
+        "apiVersion": "grpo.dev/v1alpha1",
+        "kind": "GRPORun",
+        "metadata": {"name": "prep"},
+        "spec": {
+            "model": {"name": "tiny", "path": str(tiny_model_dir)},
+            "dataset": {"source": "hf://openai/gsm8k", "config": "socratic", "split": "train",
+                        "hub": {"endpoint": hub.url, "ignorePatterns": ["images/"]}},
+            "rewards": [{"function": "exact_match"}],
+        },
+    }
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(yaml.safe_dump(run))
+
+    result = invoke(run_file)
+
+    assert result.exit_code == 0, result.output
+    assert sorted(hub.file_gets()) == sorted(files)
+    cfg = load_run_config(run_file)
+    local = cfg.dataset_path()
+    assert local.parts[-2] == "snapshots" and local.parts[-1] == hub.repos[("dataset", "openai/gsm8k")].commit
+    same_files = tmp_path / "same-files"
+    for name, data in files.items():
+        (same_files / name).parent.mkdir(parents=True, exist_ok=True)
+        (same_files / name).write_bytes(data)
+    expected = load_dataset(str(same_files), "socratic", split="train", cache_dir=str(tmp_path / "cache"))
+    assert read_dataset(local, cfg.spec.dataset).to_list() == expected.to_list()
+    assert final(result).message.endswith(f"dataset {local} ({len(rows)} prompts), 1 reward function")
+
+    # a split the config lacks fails for good, naming the field and the source
+    run["spec"]["dataset"]["split"] = "test"
+    run_file.write_text(yaml.safe_dump(run))
+    result = invoke(run_file)
+    assert result.exit_code == EXIT_PERMANENT, result.output
+    assert final(result).message.startswith("spec.dataset.split: hf://openai/gsm8k (")
+    assert "has no split 'test' in config 'socratic'; splits: train" in final(result).message
 
 
 def test_progress_is_throttled_but_every_finished_file_is_reported() -> None:

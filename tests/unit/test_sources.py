@@ -23,6 +23,7 @@ from grpo_api.sources import (
     ADAPTER_TOKEN_ENV,
     CLAIMS_ROOT,
     DATASET_TOKEN_ENV,
+    MODEL_DEFAULT_ALLOW_PATTERNS,
     MODEL_TOKEN_ENV,
     REWARDS_DIR,
     ClaimSource,
@@ -106,8 +107,11 @@ def test_an_hf_model_is_fetched_by_the_initializer_alone_with_its_token() -> Non
     (fetch,) = run_config(run).sources.fetches
     assert fetch.model_dump() == {
         "field": "spec.model.source", "repo_id": "Qwen/Qwen2.5-0.5B", "revision": "abc123", "repo_type": "model",
-        "local_dir": hub_dir("/data", HubKey("model", "Qwen/Qwen2.5-0.5B", "abc123", "https://mirror.corp")),
-        "token_env": MODEL_TOKEN_ENV, "endpoint": "https://mirror.corp"}
+        "local_dir": hub_dir("/data", HubKey("model", "Qwen/Qwen2.5-0.5B", "abc123", "https://mirror.corp",
+                                             MODEL_DEFAULT_ALLOW_PATTERNS)),
+        "token_env": MODEL_TOKEN_ENV, "endpoint": "https://mirror.corp",
+        "allow_patterns": list(MODEL_DEFAULT_ALLOW_PATTERNS), "ignore_patterns": [], "model_weights": True,
+        "default_patterns": True}
     assert re.fullmatch(r"/data/hub/models/Qwen--Qwen2\.5-0\.5B@abc123-[0-9a-f]{16}", fetch.local_dir)
     assert run_config(run).sources.model_dir == fetch.local_dir
     init = b.build_initializer_job(run)
@@ -158,6 +162,33 @@ def test_every_distinct_hub_source_gets_a_folder_of_its_own(where: str, tmp_path
     assert len(set(folders)) == len(folders), folders
     for folder, (role, _, _) in zip(folders, DISTINCT_HUB_SOURCES, strict=True):
         assert posixpath.dirname(folder) == f"{root}/hub/{role}s"  # one element: none inside another
+
+
+def test_a_hub_model_fetches_weights_config_and_tokenizer_by_default_and_its_patterns_name_its_folder() -> None:
+    default = make_run(model={"name": "m", "source": "hf://org/m"})
+    chosen = make_run(model={"name": "m", "source": "hf://org/m",
+                             "hub": {"allowPatterns": ["*.safetensors", "*.json"], "ignorePatterns": ["onnx/*"]}})
+    (by_default,) = run_config(default).sources.fetches
+    (by_patterns,) = run_config(chosen).sources.fetches
+    assert (by_default.allow_patterns, by_default.ignore_patterns) == (list(MODEL_DEFAULT_ALLOW_PATTERNS), [])
+    assert by_default.default_patterns and by_default.model_weights
+    assert (by_patterns.allow_patterns, by_patterns.ignore_patterns) == (["*.safetensors", "*.json"], ["onnx/*"])
+    assert not by_patterns.default_patterns and by_patterns.model_weights
+    assert by_patterns.patterns_field == "spec.model.hub.allowPatterns/ignorePatterns"
+    # one folder holds one selection of the files: other patterns, another folder
+    assert by_default.local_dir != by_patterns.local_dir
+    assert by_patterns.key.to_json()["ignorePatterns"] == ["onnx/*"]
+
+
+def test_hub_datasets_and_adapters_fetch_every_file_unless_patterns_say_otherwise() -> None:
+    run = make_run(model={"name": "m", "adapter": {"source": "hf://org/adapter"}},
+                   dataset={"source": "hf://org/prompts", "hub": {"allowPatterns": ["data/*"]}})
+    adapter, dataset = run_config(run).sources.fetches
+    assert (adapter.allow_patterns, adapter.model_weights) == (None, False)
+    assert (dataset.allow_patterns, dataset.model_weights) == (["data/*"], False)
+    # a dataset repository named without a path is read whole, from the folder of the commit fetched
+    assert run_config(run).sources.dataset_path == dataset.local_dir
+    assert "allowPatterns" not in adapter.key.to_json()  # a folder fetched whole keeps its name
 
 
 def test_one_source_spelled_two_ways_has_one_folder() -> None:
@@ -355,7 +386,8 @@ def test_grpo_run_fetches_hf_sources_into_the_run_directory_and_refuses_cluster_
     run = make_run(model={"name": "m", "source": "hf://org/m@v2"}, rewards=[{"function": "mine:f"}],
                    rewardCode={"inline": {"mine.py": "def f(**k):\n    return []\n"}})
     cfg = run_config_for(run, volume_root=tmp_path, server_url="http://127.0.0.1:1", token_file=None)
-    assert cfg.sources.model_dir == hub_dir(str(tmp_path), HubKey("model", "org/m", "v2", None))
+    assert cfg.sources.model_dir == hub_dir(str(tmp_path), HubKey("model", "org/m", "v2", None,
+                                                                   MODEL_DEFAULT_ALLOW_PATTERNS))
     assert cfg.sources.inline_rewards_dir == str(tmp_path / "rewards")
     assert cfg.reward_search_paths()[0] == tmp_path / "rewards"
     for spec in ({"model": {"name": "m", "source": "pvc://models/m"}},

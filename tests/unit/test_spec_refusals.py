@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from grpo_api.models import GRPORun
-from grpo_api.sources import HubSource, cluster_layout, hub_dir, hub_key, local_sources
+from grpo_api.sources import MODEL_DEFAULT_ALLOW_PATTERNS, HubSource, cluster_layout, hub_dir, hub_key, local_sources
 from grpo_operator import builders as b
 from tests.fixtures.child_manifests import make_run
 from tests.fixtures.run_specs import refusal, run_with
@@ -121,7 +121,8 @@ def test_an_hf_revision_cannot_lead_the_fetch_out_of_the_volume(revision: str) -
 def test_hf_revisions_of_branches_tags_and_commits_land_under_the_volume(revision: str, tmp_path: Path) -> None:
     run = make_run(model={"name": "m", "source": f"hf://org/m@{revision}"})
     model_dir = cluster_layout(run.spec, data_claim="d", inline_rewards_configmap="r").sources.model_dir
-    assert model_dir == hub_dir("/data", hub_key("model", HubSource("org/m", revision), None))
+    assert model_dir == hub_dir("/data", hub_key("model", HubSource("org/m", revision), None,
+                                                 MODEL_DEFAULT_ALLOW_PATTERNS))
     assert model_dir.rpartition("/")[0] == "/data/hub/models"  # one folder, whatever '/' the revision holds
     local = local_sources(run.spec, tmp_path).model_dir
     assert local is not None and Path(local).resolve().is_relative_to(tmp_path)

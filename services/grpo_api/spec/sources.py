@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -46,8 +46,15 @@ CODE_SOURCE_PATTERN = f"^({PVC_URI}|{OCI_URI}|{CONFIGMAP_URI})$"
 RELATIVE_PATH_PATTERN = r"^[-A-Za-z0-9_.@+=,/ ]*$"
 
 
+#: A file pattern of an hf:// source (fnmatch, as huggingface_hub's snapshot_download takes them; `*` spans '/'):
+#: relative to the repository's root.
+FILE_PATTERN = r"^[^/\s][^\n]*$"
+FilePattern = Annotated[str, Field(min_length=1, max_length=256, pattern=FILE_PATTERN)]
+MAX_FILE_PATTERNS = 64
+
+
 class HubAccess(ApiModel):
-    """How an hf:// source is fetched: the token and the endpoint (a mirror, a proxy)."""
+    """How an hf:// source is fetched: the token, the endpoint (a mirror, a proxy) and which files."""
 
     token_secret_ref: SecretKeySelector | None = Field(
         default=None,
@@ -58,6 +65,22 @@ class HubAccess(ApiModel):
         description="Hub endpoint (HF_ENDPOINT), e.g. an internal mirror; default https://huggingface.co.",
         max_length=1024,
         pattern=r"^https?://[^\s]+$",
+    )
+    allow_patterns: list[FilePattern] | None = Field(
+        default=None,
+        description="Fetch only the repository's files that match one of these (fnmatch, as snapshot_download's "
+        "allow_patterns: *.safetensors, data/train-*). Default for spec.model: the weights, config and tokenizer "
+        "(*.safetensors, *.json, *.model, *.tiktoken, *.txt, *.jinja; *.bin only when the repository has no "
+        "*.safetensors); for a dataset or an adapter: every file.",
+        min_length=1,
+        max_length=MAX_FILE_PATTERNS,
+    )
+    ignore_patterns: list[FilePattern] | None = Field(
+        default=None,
+        description="Skip the repository's files that match one of these (fnmatch, as snapshot_download's "
+        "ignore_patterns), after allowPatterns or the default.",
+        min_length=1,
+        max_length=MAX_FILE_PATTERNS,
     )
 
 
@@ -206,6 +229,7 @@ class DatasetFormat(StrEnum):
     JSONL = "jsonl"
     PARQUET = "parquet"
     ARROW = "arrow"
+    REPOSITORY = "repository"
 
 
 class PromptFormat(StrEnum):
@@ -214,10 +238,19 @@ class PromptFormat(StrEnum):
     CONVERSATIONAL = "conversational"
 
 
+#: A dataset config (load_dataset's `name`: main, socratic, 20231101.en).
+DATASET_CONFIG_PATTERN = r"^[A-Za-z0-9_][-A-Za-z0-9_.+]{0,127}$"
+#: A split name, as datasets allows them (\w+(\.\w+)*).
+SPLIT_PATTERN = r"^[A-Za-z0-9_]+([.][A-Za-z0-9_]+)*$"
 DATASET_RULES: list[cel.Rule] = [
     *_source_rules("dataset"),
     cel.rule(
-        "!has(self.source) || !self.source.startsWith('configmap://') || "
+        "has(self.path) || (has(self.source) && self.source.startsWith('hf://'))",
+        "dataset.path is required unless dataset.source is an hf:// repository (then loaded by config and split)",
+        fieldPath=".path",
+    ),
+    cel.rule(
+        "!has(self.path) || !has(self.source) || !self.source.startsWith('configmap://') || "
         f"self.path.matches('{KEY_PATTERN}')",
         "dataset.path must be a key of the ConfigMap in dataset.source",
         fieldPath=".path",
@@ -226,33 +259,50 @@ DATASET_RULES: list[cel.Rule] = [
 
 
 class DatasetSpec(ApiModel):
-    """The prompts to train on: a file or a saved Hugging Face dataset on the volume."""
+    """The prompts to train on: a file, a saved Hugging Face dataset, or a dataset repository (by config and split)."""
 
     source: str | None = Field(
         default=None,
         description="Where the data comes from: pvc://CLAIM/PATH, hf://ORG/NAME@REVISION (a dataset "
         "repository, fetched once per run), oci://REGISTRY/IMAGE:TAG (an image volume), or "
         "configmap://NAME (small prompt sets; `path` is then the key). Without it, `path` is on a mounted "
-        "volume.",
+        "volume. An hf:// repository without `path` is loaded whole, by `config` and `split`, as "
+        "load_dataset(\"ORG/NAME\", config, split=split) loads it.",
         max_length=1024,
         pattern=DATASET_SOURCE_PATTERN,
     )
-    path: str = Field(
-        description="Path of a .jsonl or .parquet file, or of a directory written by `save_to_disk`: inside "
-        "`source` (relative) when it is set, else on a mounted volume (absolute in the cluster; relative "
-        "to the run file for `grpo run`).",
+    path: str | None = Field(
+        default=None,
+        description="Path of a .jsonl or .parquet file, of a directory written by `save_to_disk`, or of a "
+        "directory laid out as a hub dataset repository (data files named by split, configs in README.md; "
+        "loaded by `config` and `split`): inside `source` (relative) when it is set, else on a mounted volume "
+        "(absolute in the cluster; relative to the run file for `grpo run`). Required unless `source` is hf://.",
         min_length=1,
         max_length=1024,
     )
     hub: HubAccess | None = Field(default=None, description="Token and endpoint for an hf:// source.")
-    format: DatasetFormat = Field(default=DatasetFormat.AUTO, description="File format; auto by extension.")
+    format: DatasetFormat = Field(default=DatasetFormat.AUTO, description="File format; auto by extension, and for a "
+                                 "directory: arrow (save_to_disk's) or repository (loaded as load_dataset loads it).")
     prompt_field: str = Field(default="prompt", description="Column that holds the prompt.", max_length=128)
     prompt_format: PromptFormat = Field(
         default=PromptFormat.AUTO,
         description="plain (a string, no chat template) or conversational (a list of messages; the trainer "
         "applies the chat template); auto decides from the data.",
     )
-    split: str = Field(default="train", description="Split to use when the dataset directory holds several.")
+    config: str | None = Field(
+        default=None,
+        description="Config of a dataset repository (load_dataset's second argument, e.g. main for "
+        "openai/gsm8k); required when the repository has several and none is the default.",
+        max_length=128,
+        pattern=DATASET_CONFIG_PATTERN,
+    )
+    split: str = Field(
+        default="train",
+        description="Split to use: of a dataset repository (load_dataset's split), or of a save_to_disk "
+        "directory that holds several.",
+        max_length=128,
+        pattern=SPLIT_PATTERN,
+    )
 
     model_config = ConfigDict(json_schema_extra=cel.rules(*DATASET_RULES))
 
@@ -261,7 +311,10 @@ class DatasetSpec(ApiModel):
         _check_source_path("dataset", self.source, self.path)
         if self.hub is not None and not (self.source or "").startswith("hf://"):
             raise ValueError("dataset.hub applies only to an hf:// dataset.source")
-        if (self.source or "").startswith("configmap://") and not re.fullmatch(KEY_PATTERN, self.path):
+        if self.path is None and not (self.source or "").startswith("hf://"):
+            raise ValueError("dataset.path is required unless dataset.source is an hf:// repository (then loaded "
+                             "by config and split)")
+        if (self.source or "").startswith("configmap://") and not re.fullmatch(KEY_PATTERN, self.path or ""):
             raise ValueError(f"dataset.path must be a key of the ConfigMap in dataset.source, got {self.path!r}")
         return self
 

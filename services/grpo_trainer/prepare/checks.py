@@ -57,7 +57,10 @@ def check_sources(cfg: RunConfig, reporter: Reporter) -> PrepareResult:
             permanent=True,
         )
 
-    dataset_path = cfg.dataset_path()
+    try:
+        dataset_path = cfg.dataset_path()
+    except RunConfigError as exc:
+        raise PrepareFailed(str(exc), permanent=True) from exc
     reporter.progress(f"checking the dataset {dataset_path}")
     try:
         dataset = load_prompts(

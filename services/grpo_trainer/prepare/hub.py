@@ -14,7 +14,7 @@ from pathlib import Path, PureWindowsPath
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 from urllib.parse import urlsplit
 
-from grpo_api.sources import HubFetch, hub_snapshot_dir
+from grpo_api.sources import MODEL_FALLBACK_WEIGHT_PATTERNS, MODEL_WEIGHT_PATTERNS, HubFetch, hub_snapshot_dir
 from grpo_trainer.prepare.errors import DownloadStopped, HubAnswerRefused, PrepareFailed, causes, classify_hub_error
 from grpo_trainer.prepare.reporting import FetchProgress, Reporter
 
@@ -263,6 +263,32 @@ def _listed_files(
     return sizes, limits
 
 
+def selected_files(fetch: HubFetch, names: list[str]) -> list[str]:
+    """The listed files the fetch downloads: those its allow patterns match and its ignore patterns do not, as
+    snapshot_download selects them; the default of a model adds *.bin when no *.safetensors is listed. Refuses
+    (permanent, naming the pattern fields and the source) patterns that select no file, or no weights of a model
+    repository that has some."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    def matching(patterns: tuple[str, ...] | list[str], among: list[str]) -> list[str]:
+        return list(filter_repo_objects(among, allow_patterns=list(patterns)))
+
+    allow = None if fetch.allow_patterns is None else list(fetch.allow_patterns)
+    if allow is not None and fetch.default_patterns and not matching(("*.safetensors",), names):
+        allow += MODEL_FALLBACK_WEIGHT_PATTERNS
+    selected = list(filter_repo_objects(names, allow_patterns=allow, ignore_patterns=fetch.ignore_patterns or None))
+    where = f"{fetch.patterns_field}: hf://{fetch.repo_id}@{fetch.revision}"
+    if names and not selected:
+        raise PrepareFailed(f"{where}: the patterns select none of the repository's {len(names)} files "
+                            f"(allow {allow or ['*']}, ignore {fetch.ignore_patterns})", permanent=True)
+    weights = matching(MODEL_WEIGHT_PATTERNS, names)
+    if fetch.model_weights and weights and not matching(MODEL_WEIGHT_PATTERNS, selected):
+        raise PrepareFailed(f"{where}: the patterns select no weight file ({', '.join(MODEL_WEIGHT_PATTERNS)}) of the "
+                            f"repository's {len(weights)}, e.g. {weights[0]} (allow {allow or ['*']}, ignore "
+                            f"{fetch.ignore_patterns})", permanent=True)
+    return selected
+
+
 def _within_deadline(call: Callable[[], _T], seconds: float, what: str) -> _T:
     """call() in a thread of its own, waited for at most `seconds`; TimeoutError (transient) past them. The thread
     is left to its read timeout (huggingface_hub's client cannot be interrupted): it is a daemon, and the
@@ -324,7 +350,10 @@ def fetch_repository(fetch: HubFetch, reporter: Reporter, *, workers: int = FETC
     if _COMMIT.fullmatch(fetch.revision) and commit != fetch.revision:
         raise PrepareFailed(f"{label}: the endpoint {endpoint} answers that commit with another one, {commit}",
                             permanent=True)
-    sizes, limits = _listed_files(label, endpoint, siblings)
+    listed, listed_limits = _listed_files(label, endpoint, siblings)
+    selected = selected_files(fetch, list(listed))
+    sizes = {name: listed[name] for name in selected}
+    limits = {name: listed_limits[name] for name in selected}
     progress = FetchProgress(label, sizes, reporter, limits=limits)
     check_snapshot_owner(fetch, commit)
     if _snapshot_complete(fetch, commit):  # a complete commit's files are never touched again: runs read them
