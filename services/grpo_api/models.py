@@ -48,6 +48,7 @@ from grpo_api.spec.names import (
     is_qualified_name,
     qualified_name_cel,
 )
+from grpo_api.spec.output import Destination, OutputForm, OutputSpec, parse_destination
 from grpo_api.spec.pods import (
     ANNOTATION_KEYS_MESSAGE,
     ANNOTATION_RULES,
@@ -166,6 +167,7 @@ from grpo_api.spec.status import (
     ConditionType,
     GRPORunStatus,
     LaggingReplicaStatus,
+    OutputStatus,
     Phase,
     ProgressStatus,
     Reason,
@@ -330,6 +332,7 @@ __all__ = [
     "ConfigMapKeySelector",
     "DatasetFormat",
     "DatasetSpec",
+    "Destination",
     "Engine",
     "EnvVar",
     "EnvVarSource",
@@ -354,6 +357,9 @@ __all__ = [
     "ObjectMeta",
     "ObjectName",
     "OptionalName",
+    "OutputForm",
+    "OutputSpec",
+    "OutputStatus",
     "Phase",
     "PodSettings",
     "ProgressStatus",
@@ -384,6 +390,7 @@ __all__ = [
     "is_container_resource_name",
     "is_integer_quantity",
     "is_qualified_name",
+    "parse_destination",
     "parse_quantity",
     "pod_rules",
     "qualified_name_cel",

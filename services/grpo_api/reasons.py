@@ -58,6 +58,8 @@ REASONS: dict[Reason, ReasonInfo] = {
     # A disruption from outside, not the run's fault: the next attempt does not count against backoffLimit
     # (one past runPolicy.preemptionLimit is counted as TrainerFailed).
     Reason.PREEMPTED: _WARNING,
+    Reason.EXPORTING: _NORMAL,
+    Reason.EXPORT_FAILED: ReasonInfo("Warning", "run"),
 }
 
 _missing = set(Reason) - set(REASONS)

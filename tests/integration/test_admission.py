@@ -89,9 +89,10 @@ SECTIONS: dict[str, Any] = {
     "scheduling": {"nodeSelector": {"pool": "gpu"}},
     "initializer": {"backoffLimit": 1},
     "mode": "colocate",
+    "output": {"destination": "pvc://results/run", "form": "merged"},
 }
 #: Sections with no default: the API server stores them absent when a run leaves them out.
-OPTIONAL_SECTIONS = ("server", "rewardCode")
+OPTIONAL_SECTIONS = ("server", "rewardCode", "output")
 
 
 def test_every_immutable_section_is_covered() -> None:

@@ -11,6 +11,7 @@ from pydantic.alias_generators import to_camel
 
 from grpo_api.spec import cel
 from grpo_api.spec.api import ApiModel
+from grpo_api.spec.output import OutputSpec
 from grpo_api.spec.policy import InitializerSpec, RunPolicy
 from grpo_api.spec.scheduling import SchedulingSpec
 from grpo_api.spec.server import ServerSpec
@@ -39,6 +40,7 @@ ADAPTER_NEEDS_LORA = (
     "spec.model.adapter is a LoRA adapter to train on from: it needs trainer.tuning lora, not full (merge it "
     "into the model's weights for full fine-tuning)"
 )
+OUTPUT_NEEDS_LORA = "spec.output needs trainer.tuning lora (exporting a fully tuned model is not supported yet)"
 STORAGE_MOUNTS_TAKEN = "a mountPath may not be that of spec.storage or spec.storage.modelCache"
 IMMUTABLE = "spec.{field} cannot change after the run is created"
 PRESENCE = "spec.{field} cannot be added or removed after the run is created"
@@ -102,6 +104,11 @@ def _spec_rules() -> list[cel.Rule]:
             )
             for section in ("server", "trainer")
         ),
+        cel.rule(
+            "!has(self.output) || !has(self.trainer) || !has(self.trainer.tuning) || self.trainer.tuning != 'full'",
+            OUTPUT_NEEDS_LORA,
+            fieldPath=".output",
+        ),
         *(
             cel.rule(f"has(self.{field}) == has(oldSelf.{field})", PRESENCE.format(field=field), fieldPath=f".{field}")
             for field in IMMUTABLE_FIELDS
@@ -155,6 +162,12 @@ class GRPORunSpec(ApiModel):
         description="The initializer that fetches and checks the sources once per run.",
         json_schema_extra=_immutable("initializer"),
     )
+    output: OutputSpec | None = Field(
+        default=None,
+        description="Where the result goes after the trainer's last step, and in which form (unset: it stays "
+        "on the run's volume).",
+        json_schema_extra=_immutable("output"),
+    )
 
     # After the fields, whose _immutable marks the presence rules name.
     model_config = ConfigDict(json_schema_extra=cel.rules(*_spec_rules()))
@@ -177,6 +190,8 @@ class GRPORunSpec(ApiModel):
                 if mount.mount_path in taken:
                     raise ValueError(f"{section.section}.volumeMounts[{index}].mountPath {mount.mount_path!r}: "
                                      f"{STORAGE_MOUNTS_TAKEN}")
+        if self.output is not None and self.trainer.full:
+            raise ValueError(OUTPUT_NEEDS_LORA)
         if self.mode == Mode.SERVER:
             server = self.effective_server
             if not self.trainer.pushes_weights and self.trainer.lora.r > server.max_lora_rank:

@@ -17,6 +17,8 @@ class Phase(StrEnum):
     INITIALIZING = "Initializing"
     STARTING_SERVER = "StartingServer"
     TRAINING = "Training"
+    #: The trainer finished; the export step uploads the result to spec.output.
+    EXPORTING = "Exporting"
     SUSPENDED = "Suspended"
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
@@ -64,6 +66,10 @@ class Reason(StrEnum):
     #: A trainer pod was preempted or evicted (pod condition DisruptionTarget): the next attempt starts
     #: without counting against backoffLimit.
     PREEMPTED = "Preempted"
+    #: The trainer finished and the export step is uploading the result (spec.output).
+    EXPORTING = "Exporting"
+    #: The export step failed (its words in the message): the run fails, the adapters stay on its volume.
+    EXPORT_FAILED = "ExportFailed"
 
 
 class ConditionType(StrEnum):
@@ -178,13 +184,32 @@ class ProgressStatus(ApiModel):
         return None if value is None else round_reward(value)
 
 
+class OutputStatus(ApiModel):
+    """Where the export step put the run's result (spec.output), as it reported it."""
+
+    uri: str | None = Field(
+        default=None, max_length=2048,
+        description="Where the result went (for oci://, pinned by the manifest's digest; for hf://, the commit).",
+    )
+    form: str | None = Field(default=None, max_length=16, description="adapter or merged.")
+    digest: str | None = Field(
+        default=None, max_length=128,
+        description="sha256:<hex>: the OCI manifest's digest for oci://, else the digest of the export's "
+        "manifest (every file's name, size and sha256).",
+    )
+    size: int | None = Field(default=None, ge=0, description="Bytes of the files uploaded.")
+    files: int | None = Field(default=None, ge=0, description="Files uploaded.")
+    source: str | None = Field(default=None, max_length=1024, description="The adapter version exported (its path).")
+    completed_at: dt.datetime | None = Field(default=None, description="When the export succeeded.")
+
+
 class GRPORunStatus(ApiModel):
     """Observed state of a run; written by the controller only."""
 
     model_config = ConfigDict(extra="ignore")
 
     phase: Phase = Field(default=Phase.PENDING, description="Pending, Initializing, StartingServer, Training, "
-                         "Suspended, Succeeded or Failed.")
+                         "Exporting, Suspended, Succeeded or Failed.")
     reason: str | None = Field(default=None, description="Reason of the latest phase change.")
     message: str | None = Field(default=None, description="Human-readable detail of the phase.")
     observed_generation: int | None = Field(default=None, description="Spec generation last acted on.")
@@ -217,5 +242,8 @@ class GRPORunStatus(ApiModel):
     server: ServerStatus = Field(default_factory=ServerStatus, description="The server of the attempt.")
     adapter: AdapterStatus = Field(default_factory=AdapterStatus, description="The latest adapter.")
     progress: ProgressStatus = Field(default_factory=ProgressStatus, description="Training progress.")
+    output: OutputStatus | None = Field(
+        default=None, description="Where the export step put the result (spec.output), once it succeeded."
+    )
     start_time: dt.datetime | None = Field(default=None, description="When the run started.")
     completion_time: dt.datetime | None = Field(default=None, description="When the run succeeded or failed.")
