@@ -6,7 +6,7 @@
 #   hack/build-testbin.sh            # build what is missing, print the bin dir
 #   GRPO_TESTBIN=/some/dir hack/...  # use another cache root
 #   hack/build-testbin.sh etcd k8s   # only these (targets: etcd k8s helm promtool prometheus coredns pause actionlint
-#                                    #   containerd registry)
+#                                    #   containerd registry s3)
 #
 # k8s is kube-apiserver, kube-controller-manager, kubectl (the integration tests' control plane) and
 # kube-scheduler, kubelet, kube-proxy (the real node of hack/cluster.sh), in one go build.
@@ -30,6 +30,9 @@ CONTAINERD_VERSION=${CONTAINERD_VERSION:-2.4.2}
 ACTIONLINT_VERSION=${ACTIONLINT_VERSION:-1.7.12}
 # The real node's image and chart registry (the CNCF distribution registry; hack/cluster.sh).
 REGISTRY_VERSION=${REGISTRY_VERSION:-3.1.2}
+# The S3 service of the export tests (spec.output s3://): the Versity S3 gateway on its posix backend, which
+# checks SigV4 signatures against its root credentials. Cold build on 2 shared cores: 78 s.
+VERSITYGW_VERSION=${VERSITYGW_VERSION:-1.8.0}
 # The control plane for the integration tests and the node agents for the real-node tests share most
 # packages: one go build of all six pays for them once.
 K8S_BINARIES="kube-apiserver kube-controller-manager kubectl kube-scheduler kubelet kube-proxy"
@@ -203,7 +206,14 @@ build_registry() {  # the distribution registry with the filesystem storage driv
   cd /; rm -rf "$d"
 }
 
-targets=${*:-etcd k8s helm promtool prometheus coredns pause containerd actionlint registry}
+build_s3() {  # versitygw, the export tests' S3 service; versitygw.version says which (a bump rebuilds)
+  [ -x "$BIN/versitygw" ] && [ "$(cat "$BIN/versitygw.version" 2>/dev/null)" = "$VERSITYGW_VERSION" ] && return
+  log "building the Versity S3 gateway v$VERSITYGW_VERSION"
+  GOBIN="$BIN" go install -trimpath -ldflags "-s -w" "github.com/versity/versitygw/cmd/versitygw@v$VERSITYGW_VERSION"
+  echo "$VERSITYGW_VERSION" > "$BIN/versitygw.version"
+}
+
+targets=${*:-etcd k8s helm promtool prometheus coredns pause containerd actionlint registry s3}
 for t in $targets; do
   # One builder per tool at a time: a second caller (another test session) waits, then finds it built.
   ( flock 9; "build_$t" ) 9>"$BIN/.build-$t.lock"

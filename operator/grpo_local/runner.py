@@ -35,9 +35,11 @@ from pydantic import ValidationError
 
 from grpo_api.childenv import child_environment, tracker_environment
 from grpo_api.exit_codes import EXIT_INVALID_SPEC
+from grpo_api.export_protocol import ENV_EXPORT_CLAIM_ROOT, parse_result
 from grpo_api.health import HealthClient
 from grpo_api.lifecycle import (
     Action,
+    CreateExporter,
     CreateInitializer,
     CreateTrainer,
     DeleteRun,
@@ -97,6 +99,7 @@ class LocalRun:
     servers: dict[int, list[Child]] = field(default_factory=dict)
     trainers: dict[int, Child] = field(default_factory=dict)
     initializer: Child | None = None
+    exporter: Child | None = None
     events: list[RunEvent] = field(default_factory=list)
     samples: list[TrainingProgress] = field(default_factory=list)
     started_monotonic: float = field(default_factory=time.monotonic)
@@ -169,6 +172,10 @@ class LocalRun:
         init_progress = self.initializer_progress()
         if initializer == TrainerState.FAILED and init_progress:
             init_message = init_progress  # its own last words (the protocol's failed line), not the exit code
+        exporter, export_message = self.child_state(self.exporter)
+        export_said = read_text(self.export_log).strip() if self.exporter is not None else ""
+        if exporter == TrainerState.FAILED and export_said:
+            export_message = export_said  # its own last words, not the exit code
         progress = self.read_progress()
         if progress is not None and (not self.samples or self.samples[-1].step != progress.step):
             self.samples.append(progress)
@@ -187,6 +194,9 @@ class LocalRun:
             initializer=initializer,
             initializer_message=init_message,
             initializer_progress=init_progress,
+            exporter=exporter,
+            exporter_message=export_message,
+            export_result=parse_result(export_said) if exporter == TrainerState.SUCCEEDED else None,
         )
 
     def server_failed_permanently(self, attempt: int) -> str | None:
@@ -271,6 +281,8 @@ class LocalRun:
                 self.stop_servers()
             case CreateInitializer():
                 self.create_initializer()
+            case CreateExporter():
+                self.create_exporter()
             case CreateTrainer(attempt=attempt):
                 self.create_trainer(attempt)
             case DeleteTrainer(attempt=attempt):
@@ -378,6 +390,35 @@ class LocalRun:
         child.start()
         self.initializer = child
 
+    @property
+    def export_log(self) -> Path:
+        """The export step's termination log: its result line, or why it failed."""
+        return self.logs_dir / "export.termination-log"
+
+    def create_exporter(self) -> None:
+        """`grpo export` as a process, once: a pvc:// claim is the folder <run dir>/claims/<claim>, and the
+        credentials are the variables of `grpo run`'s own environment (GRPO_EXPORT_TOKEN, AWS_*, ...), as no
+        Secret exists here."""
+        output = self.run.spec.output
+        if self.exporter is not None or output is None:
+            return
+        self.export_log.unlink(missing_ok=True)  # an earlier `grpo run` of this directory left it
+        env = {ENV_TERMINATION_LOG: str(self.export_log), **self.child_env(0, self.run.spec.trainer.env)}
+        destination = output.parsed
+        if destination.scheme == "pvc":
+            claim = self.run_dir / "claims" / destination.target
+            claim.mkdir(parents=True, exist_ok=True)
+            env[ENV_EXPORT_CLAIM_ROOT] = str(claim)
+        child = Child(
+            role="exporter",
+            attempt=0,
+            argv=[self.python, "-m", "grpo_cli.main", "export", "--config", str(self.config_file)],
+            log_path=self.logs_dir / "export.log",
+            env=env,
+        )
+        child.start()
+        self.exporter = child
+
     def create_trainer(self, attempt: int) -> None:
         if attempt in self.trainers:
             return
@@ -400,8 +441,8 @@ class LocalRun:
 
     def shutdown(self) -> None:
         """End every child: trainers first (they talk to the server), then servers."""
-        initializer = [self.initializer] if self.initializer is not None else []
-        for child in [*initializer, *self.trainers.values(), *self.server_children()]:
+        once = [c for c in (self.initializer, self.exporter) if c is not None]
+        for child in [*once, *self.trainers.values(), *self.server_children()]:
             if child.alive():
                 child.stop()
         self.health.close()
@@ -413,7 +454,7 @@ class LocalRun:
         children = [
             {"role": c.role, "attempt": c.attempt, "pid": c.pid, "log": str(c.log_path), "exitCode": c.poll()}
             for c in [*([self.initializer] if self.initializer else []), *self.server_children(),
-                      *self.trainers.values()]
+                      *self.trainers.values(), *([self.exporter] if self.exporter else [])]
         ]
         _write_json(self.run_dir / "processes.json",
                     {"port": self.port, "ports": [self.port, *self.replica_ports], "children": children})

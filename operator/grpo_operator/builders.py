@@ -15,6 +15,7 @@ from typing import Any
 
 from grpo_api.childenv import child_environment, tracker_environment
 from grpo_api.exit_codes import EXIT_INVALID_SPEC
+from grpo_api.export_protocol import CREDENTIAL_KEYS, ENV_EXPORT_CLAIM_ROOT
 from grpo_api.models import (
     API_VERSION,
     DEFAULT_SERVER_IMAGE,
@@ -48,6 +49,11 @@ MANAGED_BY = "grpo-operator"
 SERVER = "server"
 TRAINER = "trainer"
 INITIALIZER = "initializer"
+EXPORTER = "export"
+#: Where the export step mounts the claim of a pvc:// destination.
+EXPORT_CLAIM_DIR = "/grpo-export"
+#: Tries of the export step's Job for a transient failure (the network, a 5xx); exit code 2 fails it at once.
+EXPORT_BACKOFF_LIMIT = 3
 REWARDS = "rewards"
 CONFIG = "config"
 STORAGE = "storage"
@@ -98,6 +104,10 @@ class ChildNames:
         return f"{self.run}-init"
 
     @property
+    def exporter(self) -> str:
+        return f"{self.run}-export"
+
+    @property
     def server(self) -> str:
         """The server's Deployment and Service."""
         return f"{self.run}-server"
@@ -142,6 +152,7 @@ def check_children(run: GRPORun) -> None:
     build_config_map(run)
     build_rewards_config_map(run)
     build_initializer_job(run)
+    build_exporter_job(run)
     for together in (False, True):
         where = Placement(same_node=together)
         build_server_deployment(run, 1, run.spec.effective_server.replicas, placement=where)
@@ -861,5 +872,75 @@ def build_initializer_job(run: GRPORun, images: Images | None = None) -> dict[st
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": _metadata(run, child_names(run).initializer, INITIALIZER),
+        "spec": spec,
+    }
+
+
+# ------------------------------------------------------------------------------------------ export step
+
+
+def build_exporter_job(run: GRPORun, images: Images | None = None) -> dict[str, Any] | None:
+    """The run's export step (spec.output), once its trainer succeeded: `grpo export` uploads the final
+    adapter, or the base model with it merged in, and leaves where it went as its termination message.
+
+    It runs in the trainer image (the merge needs torch, transformers and PEFT) with the run's volume, the
+    trainer's env and volumes, and the destination's credentials from spec.output.credentialsSecret, which no
+    other container of the run gets (the trainer runs user reward code). A transient failure is retried by the
+    Job; a permanent one (exit code 2) fails it at once. A merge gets the trainer's resources, an adapter the
+    initializer's.
+    """
+    output = run.spec.output
+    if output is None:
+        return None
+    trainer = run.spec.trainer
+    images = images or Images()
+    destination = output.parsed
+    ours: list[dict[str, Any]] = [{"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]
+    if output.credentials_secret is not None:
+        ours += [
+            {"name": env, "valueFrom": {"secretKeyRef": {"name": output.credentials_secret, "key": key,
+                                                         **({"optional": True} if optional else {})}}}
+            for env, key, optional in CREDENTIAL_KEYS[destination.scheme]
+        ]
+    mounts = _mounts(run, _extra_mounts(trainer), shm=False, token=False)
+    volumes = _volumes(run, _extra_volumes(trainer), shm_size=None, token=False)
+    if destination.scheme == "pvc":
+        ours.append({"name": ENV_EXPORT_CLAIM_ROOT, "value": EXPORT_CLAIM_DIR})
+        mounts.append({"name": "export-claim", "mountPath": EXPORT_CLAIM_DIR})
+        volumes.append({"name": "export-claim", "persistentVolumeClaim": {"claimName": destination.target}})
+    resources = trainer.resources if output.form == "merged" else run.spec.initializer.resources
+    container = {
+        "name": EXPORTER,
+        "image": trainer.image or images.trainer,
+        "imagePullPolicy": trainer.image_pull_policy,
+        "command": ["grpo", "export"],
+        "env": _env(run, 0, ours, trainer.env, token=False),
+        "resources": _resources(resources),
+        "volumeMounts": mounts,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": _container_security(),
+    }
+    spec: dict[str, Any] = {
+        "backoffLimit": EXPORT_BACKOFF_LIMIT,
+        "completions": 1,
+        "parallelism": 1,
+        "podFailurePolicy": {
+            "rules": [
+                {
+                    "action": "FailJob",
+                    "onExitCodes": {"containerName": EXPORTER, "operator": "In", "values": [EXIT_PERMANENT]},
+                },
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+            ]
+        },
+        "template": {
+            "metadata": _template_metadata(run, EXPORTER, trainer, None),
+            "spec": _pod_spec(run, container, volumes, "Never"),
+        },
+    }
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _metadata(run, child_names(run).exporter, EXPORTER),
         "spec": spec,
     }

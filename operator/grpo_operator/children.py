@@ -18,6 +18,7 @@ from grpo_operator.builders import (
     ATTEMPT_ANNOTATION,
     ATTEMPT_LABEL,
     COMPONENT_LABEL,
+    EXPORTER,
     INITIALIZER,
     SERVER,
     TRAINER,
@@ -217,7 +218,8 @@ def snapshot(
     return Children(
         pods=tuple(p for p in pods if p.component == SERVER),
         trainer_pods=tuple(p for p in pods if p.component == TRAINER),
-        initializer_pods=tuple(p for p in pods if p.component == INITIALIZER),
+        # The pods of the run's one-off Jobs: the initializer's and the export step's.
+        initializer_pods=tuple(p for p in pods if p.component in (INITIALIZER, EXPORTER)),
         deployment=owned_deployments[0] if owned_deployments else None,
         jobs=tuple(j for j in jobs if j.owner == run_uid),
         objects=None if objects is None else tuple(o for o in objects if o.owner == run_uid),

@@ -113,7 +113,8 @@ def server_deployments(
     "jobs",
     labels={
         builders.RUN_LABEL: kopf.PRESENT,
-        builders.COMPONENT_LABEL: lambda value, **_: value in (builders.TRAINER, builders.INITIALIZER),
+        builders.COMPONENT_LABEL: lambda value, **_: value in (builders.TRAINER, builders.INITIALIZER,
+                                                                builders.EXPORTER),
     },
 )
 def trainer_jobs(body: kopf.Body, namespace: str | None, labels: kopf.Labels, **_: Any) -> dict[RunKey, Any]:

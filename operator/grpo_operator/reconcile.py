@@ -25,8 +25,10 @@ from pydantic import ValidationError
 from urllib3.exceptions import HTTPError as Urllib3HTTPError
 
 from grpo_api.exit_codes import EXIT_INVALID_SPEC
+from grpo_api.export_protocol import ExportResult, parse_result
 from grpo_api.health import DEFAULT_TIMEOUT_SECONDS, HealthClient
 from grpo_api.lifecycle import (
+    CreateExporter,
     CreateInitializer,
     CreateTrainer,
     Decision,
@@ -347,6 +349,9 @@ def observe(
     initializer, initializer_message, progress = (
         initializer_state(rt, run, children) if status.phase == Phase.INITIALIZING else (TrainerState.ABSENT, "", None)
     )
+    exporter, exporter_message, export_result = (
+        exporter_state(rt, run, children) if status.phase == Phase.EXPORTING else (TrainerState.ABSENT, "", None)
+    )
     attempt_running = status.phase in (Phase.STARTING_SERVER, Phase.TRAINING) and not run.spec.run_policy.suspend
     missing, lost = child_losses(rt, run, children) if attempt_running else ((), ())
     # Before the run made anything, whatever is under its name is an earlier run's (a later phase would
@@ -367,6 +372,9 @@ def observe(
         initializer=initializer,
         initializer_message=initializer_message,
         initializer_progress=progress,
+        exporter=exporter,
+        exporter_message=exporter_message,
+        export_result=export_result,
         missing_children=missing,
         lost_children=lost,
         earlier_run_children=earlier,
@@ -465,6 +473,26 @@ def initializer_state(rt: Runtime, run: GRPORun, children: Children) -> tuple[Tr
         # A pod that failed and is being retried: its words, as trouble, beside the progress.
         return job.state, problem or (f"retrying after: {said}" if said else ""), progress
     return job.state, "", progress
+
+
+def exporter_state(rt: Runtime, run: GRPORun, children: Children) -> tuple[TrainerState, str, ExportResult | None]:
+    """The export Job's state, its trouble (or why it failed) and its result line once it succeeded."""
+    namespace = run.metadata.namespace or "default"
+    name = builders.child_names(run).exporter
+    job = children.job(name)
+    if job is None:
+        raw = rt.kube.read_job(namespace, name)
+        job = job_info(raw) if raw is not None else None
+    if job is None:
+        return TrainerState.ABSENT, "", None
+    pods = children.job_pods(name)
+    said = next((p.termination_message for p in pods if p.termination_message), "")
+    if job.state == TrainerState.SUCCEEDED:
+        return job.state, "", parse_result(said)
+    problem = next((f"pod {p.name}: {p.problem}" for p in pods if p.problem and not p.termination_message), "")
+    if job.state == TrainerState.FAILED:
+        return job.state, said.strip() or problem or job.message, None
+    return job.state, problem or (f"retrying after: {said.strip()}" if said else ""), None
 
 
 def check_claims(rt: Runtime, run: GRPORun) -> None:
@@ -586,6 +614,10 @@ def execute(rt: Runtime, run: GRPORun, children: Children, decision: Decision) -
             case CreateInitializer():
                 if children.job(names.initializer) is None:
                     create_owned(rt, run, builders.build_initializer_job(run, rt.config.images))
+            case CreateExporter():
+                exporter_job = builders.build_exporter_job(run, rt.config.images)
+                if exporter_job is not None and children.job(names.exporter) is None:
+                    create_owned(rt, run, exporter_job)
             case EnsureServer(attempt=attempt, replicas=replicas):
                 if deployment is not None and deployment.attempt == attempt and deployment.replicas == replicas:
                     continue

@@ -25,6 +25,10 @@ The contract (ARCHITECTURE.md, "Lifecycle of one run"):
   Kubernetes Jobs (resuming resets the deadline's start, as for Jobs);
 - a run re-created under the name of one still being deleted creates nothing until what the earlier
   run left is gone, and says what it waits for (`WaitingForOldChildren`);
+- with `spec.output`, a trainer that succeeded is followed by the export step (`Exporting`: one Job per
+  run, or one process), which uploads the result and reports where it went, its digest and size
+  (`status.output`); its failure fails the run (`ExportFailed`) without another attempt, and nothing is
+  deleted: the adapters stay on the run's volume; suspend waits until it is done;
 - terminal phases stay terminal.
 
 Actions are idempotent requests ("this should exist"), re-issued on every call
@@ -42,6 +46,7 @@ from enum import StrEnum
 from typing import Literal, TypeVar
 
 from grpo_api import reasons
+from grpo_api.export_protocol import ExportResult
 from grpo_api.models import (
     TERMINAL_PHASES,
     AdapterStatus,
@@ -52,6 +57,7 @@ from grpo_api.models import (
     GRPORunStatus,
     LaggingReplicaStatus,
     Mode,
+    OutputStatus,
     Phase,
     ProgressStatus,
     Reason,
@@ -62,6 +68,7 @@ from grpo_api.protocol import HealthResponse, TrainingProgress
 #: How often to look again while something is expected to change soon (server start, trainer state).
 SERVER_POLL_SECONDS = 2.0
 INITIALIZER_POLL_SECONDS = 5.0
+EXPORTER_POLL_SECONDS = 5.0
 TRAINER_POLL_SECONDS = 10.0
 #: Boot ids of one attempt's replicas kept in status.server.bootIds (restarts included).
 MAX_KNOWN_BOOT_IDS = 64
@@ -159,6 +166,12 @@ class Observation:
     #: What an earlier run of the same name left (e.g. "PersistentVolumeClaim r-data (of GRPORun uid ...,
     #: being deleted)"): a run re-created under a dying run's name creates nothing until it is gone.
     earlier_run_children: tuple[str, ...] = ()
+    #: The run's export step (a Job, or a process), after the trainer succeeded (spec.output).
+    exporter: TrainerState = TrainerState.ABSENT
+    #: Why it failed (its last words), or its trouble while it runs.
+    exporter_message: str = ""
+    #: Its result line (where the result went, digest, size), once it succeeded.
+    export_result: ExportResult | None = None
 
 
 # ----------------------------------------------------------------------------------------- actions
@@ -172,6 +185,11 @@ class Provision:
 @dataclass(frozen=True)
 class CreateInitializer:
     """The run's initializer should exist (created once per run; it resumes a fetch it retries)."""
+
+
+@dataclass(frozen=True)
+class CreateExporter:
+    """The run's export step should exist (created once per run, after the trainer succeeded)."""
 
 
 @dataclass(frozen=True)
@@ -230,6 +248,7 @@ class RequeueAfter:
 Action = (
     Provision
     | CreateInitializer
+    | CreateExporter
     | EnsureServer
     | StopServer
     | DeleteServer
@@ -428,7 +447,8 @@ class _Step:
         phase = self.status.phase
         if phase in TERMINAL_PHASES:
             self.finished()
-        elif policy.suspend:
+        elif policy.suspend and phase != Phase.EXPORTING:
+            # The export step runs to its end: what it uploads does not survive a stop half-way.
             self.suspend()
         elif phase == Phase.SUSPENDED:
             self.status.start_time = self.now  # as for Jobs: the active deadline restarts on resume
@@ -452,6 +472,8 @@ class _Step:
             self.await_sources()
         elif phase == Phase.STARTING_SERVER:
             self.await_server()
+        elif phase == Phase.EXPORTING:
+            self.await_export()
         else:
             self.watch_trainer()
 
@@ -586,6 +608,54 @@ class _Step:
             f"{message}; not counted against backoffLimit (preemptions: {count}{of})",
         )
 
+    def start_export(self, trained: str) -> None:
+        """The trainer is done: the server is no longer needed (its cleanup policy applies now, so its GPUs
+        are free during the upload) and the export step uploads the result."""
+        assert self.spec.output is not None
+        self.status.server.ready = self.status.server.ready and self.keeps_server()
+        self.release_server()
+        self.actions.append(CreateExporter())
+        self.set_phase(Phase.EXPORTING, Reason.EXPORTING,
+                       f"{trained}; exporting the {self.spec.output.form} to {self.spec.output.destination}")
+        self.actions.append(RequeueAfter(EXPORTER_POLL_SECONDS))
+
+    def await_export(self) -> None:
+        output = self.spec.output
+        assert output is not None
+        self.release_server()
+        state, result = self.obs.exporter, self.obs.export_result
+        if state == TrainerState.SUCCEEDED and result is not None:
+            self.status.output = OutputStatus(uri=result.uri, form=result.form, digest=result.digest,
+                                              size=result.size, files=result.files, source=result.source or None,
+                                              completed_at=self.now)
+            self.finish(Phase.SUCCEEDED, Reason.COMPLETED,
+                        f"exported the {result.form} to {result.uri} ({result.digest}, {result.size} bytes)")
+            return
+        if state in (TrainerState.SUCCEEDED, TrainerState.FAILED):
+            detail = self.obs.exporter_message or (
+                "it ended without a result line" if state == TrainerState.SUCCEEDED else "no message")
+            kept = f" (latest: {self.status.adapter.path})" if self.status.adapter.path else ""
+            self.finish(Phase.FAILED, Reason.EXPORT_FAILED,
+                        f"the export to {output.destination} failed: {detail}; the adapters stay on the run's "
+                        f"volume{kept}")
+            return
+        self.actions.append(CreateExporter())
+        trouble = f" ({self.obs.exporter_message})" if self.obs.exporter_message else ""
+        self.status.message = _truncate(
+            f"exporting the {output.form} to {output.destination}{trouble}")
+        self.actions.append(RequeueAfter(EXPORTER_POLL_SECONDS))
+        self.requeue_for_deadline()
+
+    def release_server(self) -> None:
+        """The server's cleanup policy, once the trainer is done."""
+        if not self.server_mode:
+            return
+        policy = self.spec.run_policy.cleanup_policy
+        if policy == CleanupPolicy.STOP_SERVER:
+            self.actions.append(StopServer())
+        elif policy == CleanupPolicy.DELETE_SERVER:
+            self.actions.append(DeleteServer())
+
     def finish(self, phase: Phase, reason: Reason, message: str) -> None:
         self.set_phase(phase, reason, message)
         self.status.completion_time = self.now
@@ -610,12 +680,7 @@ class _Step:
         self.status.server.ready = self.status.server.ready and self.keeps_server()
         if self.obs.trainer == TrainerState.ACTIVE and self.status.attempt > 0:
             self.actions.append(DeleteTrainer(self.status.attempt))
-        if self.server_mode:
-            policy = self.spec.run_policy.cleanup_policy
-            if policy == CleanupPolicy.STOP_SERVER:
-                self.actions.append(StopServer())
-            elif policy == CleanupPolicy.DELETE_SERVER:
-                self.actions.append(DeleteServer())
+        self.release_server()
         ttl = self.spec.run_policy.ttl_seconds_after_finished
         if ttl is None:
             return
@@ -749,7 +814,9 @@ class _Step:
         self.record_progress()
         trainer = self.obs.trainer
         detail = f": {self.obs.trainer_message}" if self.obs.trainer_message else ""
-        if trainer == TrainerState.SUCCEEDED:
+        if trainer == TrainerState.SUCCEEDED and self.spec.output is not None:
+            self.start_export(f"trainer of attempt {attempt} completed{detail}")
+        elif trainer == TrainerState.SUCCEEDED:
             self.finish(Phase.SUCCEEDED, Reason.COMPLETED, f"trainer of attempt {attempt} completed{detail}")
         elif trainer == TrainerState.FAILED and self.obs.trainer_failed_permanently:
             self.status.failed_attempts += 1

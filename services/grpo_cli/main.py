@@ -21,6 +21,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "trainer",
         "Fetch the run's hf:// sources and check model, dataset and rewards (the run's initializer).",
     ),
+    "export": (
+        "grpo_trainer.cli:export",
+        "trainer",
+        "Upload the run's result (adapter or merged model) to spec.output (the run's export step).",
+    ),
     "operator": ("grpo_operator.cli:operator", "operator", "Run the Kubernetes operator (kopf)."),
     "stage": (
         "grpo_stage.cli:stage",

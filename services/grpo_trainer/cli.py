@@ -1,4 +1,5 @@
-"""`grpo train`: run one trainer attempt (the trainer image's entrypoint); `grpo prepare`: the run's initializer."""
+"""`grpo train`: run one trainer attempt (the trainer image's entrypoint); `grpo prepare`: the run's initializer;
+`grpo export`: the run's export step."""
 
 from __future__ import annotations
 
@@ -52,3 +53,18 @@ def prepare(config_path: Path | None) -> None:
     from grpo_trainer.prepare.main import run_prepare
 
     sys.exit(run_prepare(config_path))
+
+
+@click.command("export")
+@config_option
+def export(config_path: Path | None) -> None:
+    """Upload the run's result to spec.output once its trainer is done (the run's export step).
+
+    Takes the newest adapter version on the run's volume (checked against its manifest), merges it into
+    the base model for form merged, uploads it, and prints (and leaves as its termination message) one
+    result line: where it went, its digest and size. Exit code 0: exported; 1: transient (a retry may
+    succeed); 2: permanent (fix the GRPORun or the destination). Nothing on the volume is deleted.
+    """
+    from grpo_trainer.export.main import run_export
+
+    sys.exit(run_export(config_path))
