@@ -5,7 +5,8 @@ once and for good (exit code 2, naming spec.trainer.image), instead of after a G
 then once per attempt. What the trainer needs is `config.vllm_needed_for`; this module looks for it by
 importing it, as the trainer would: an installed but broken vLLM (a missing library, a compiled
 extension built for another torch) is as useless as none. The trackers of spec.trainer.reportTo are looked
-for as transformers looks for them (their package is installed).
+for as transformers looks for them (their package is installed), and so is the client the export step needs
+for spec.output's destination (the export runs in this image after the last step: better to know now).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 from grpo_api.models import GRPORunSpec
 from grpo_api.weight_transfer import ENV_WEIGHT_TRANSFER, resolve_weight_transfer
 from grpo_trainer.config import TRACKER_MODULES, image_lacks_vllm, trackers_missing, vllm_needed_for
+from grpo_trainer.errors import UnsupportedSetting
 
 #: The module of vLLM the trainer uses first in either case (it imports vllm itself and its NCCL wrapper).
 VLLM_PROBE_MODULE = "vllm.distributed.weight_transfer.nccl_engine"
@@ -39,11 +41,29 @@ def available_trackers() -> frozenset[str]:
     )
 
 
+#: The package `grpo export` uploads with, by spec.output's destination scheme.
+EXPORT_CLIENTS = {"oci": "oras", "s3": "boto3", "hf": "huggingface_hub"}
+
+
+def export_client_missing(spec: GRPORunSpec) -> UnsupportedSetting | None:
+    """The refusal of a spec.output whose destination's client this image lacks; None if it has it (or needs none)."""
+    if spec.output is None:
+        return None
+    scheme = spec.output.parsed.scheme
+    module = EXPORT_CLIENTS.get(scheme)
+    if module is None or importlib.util.find_spec(module) is not None:
+        return None
+    return UnsupportedSetting(
+        f"spec.output.destination {scheme}:// needs the {module} package, which this trainer image lacks (the "
+        "export step runs in it); use an image that has it"
+    )
+
+
 def check_trainer_image(spec: GRPORunSpec, weight_transfer_auto: str | None = None) -> None:
     """Raise UnsupportedSetting when the spec needs vLLM in the trainer and this image cannot import it, or
     reports to a tracker whose package it lacks. `weight_transfer_auto` defaults to $GRPO_WEIGHT_TRANSFER, as the
     server resolves it."""
-    lacking = trackers_missing(spec, available_trackers())
+    lacking = trackers_missing(spec, available_trackers()) or export_client_missing(spec)
     if lacking is not None:
         raise lacking
     auto = weight_transfer_auto if weight_transfer_auto is not None else os.environ.get(ENV_WEIGHT_TRANSFER)

@@ -338,3 +338,22 @@ def test_result_line_round_trips() -> None:
     result = ExportResult(uri="s3://b/p", form="adapter", digest="sha256:" + "0" * 64, size=3, files=1)
     assert parse_result("noise\n" + result.line() + "\n") == result
     assert parse_result("no result here") is None
+
+
+def test_the_initializer_refuses_an_image_without_the_destinations_client(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    import importlib.util
+
+    from grpo_trainer import image_capabilities
+    from grpo_trainer.errors import UnsupportedSetting
+
+    spec = config_for(tmp_path, tiny_model_dir, {"destination": "s3://results/x"}).spec
+    assert image_capabilities.export_client_missing(spec) is None  # this image has boto3
+    real = importlib.util.find_spec
+    monkeypatch.setattr(image_capabilities.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "boto3" else real(name, *a))
+    with pytest.raises(UnsupportedSetting, match=r"destination s3:// needs the boto3 package"):
+        image_capabilities.check_trainer_image(spec, "ipc")
+    pvc = config_for(tmp_path, tiny_model_dir, {"destination": "pvc://results/x"}).spec
+    assert image_capabilities.export_client_missing(pvc) is None
