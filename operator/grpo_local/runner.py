@@ -42,6 +42,7 @@ from grpo_api.lifecycle import (
     CreateExporter,
     CreateInitializer,
     CreateTrainer,
+    DeleteExporter,
     DeleteRun,
     DeleteServer,
     DeleteTrainer,
@@ -283,6 +284,9 @@ class LocalRun:
                 self.create_initializer()
             case CreateExporter():
                 self.create_exporter()
+            case DeleteExporter():
+                if self.exporter is not None and self.exporter.alive():
+                    self.exporter.stop()
             case CreateTrainer(attempt=attempt):
                 self.create_trainer(attempt)
             case DeleteTrainer(attempt=attempt):

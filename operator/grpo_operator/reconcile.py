@@ -32,6 +32,7 @@ from grpo_api.lifecycle import (
     CreateInitializer,
     CreateTrainer,
     Decision,
+    DeleteExporter,
     DeleteRun,
     DeleteServer,
     DeleteTrainer,
@@ -649,6 +650,8 @@ def execute(rt: Runtime, run: GRPORun, children: Children, decision: Decision) -
                     create_owned(rt, run, job)
             case DeleteTrainer(attempt=attempt):
                 rt.kube.delete_if_present("Job", namespace, names.trainer(attempt))
+            case DeleteExporter():
+                rt.kube.delete_if_present("Job", namespace, names.exporter)
             case DeleteRun():
                 log.info("deleting %s/%s: ttlSecondsAfterFinished passed", namespace, run.metadata.name)
                 rt.kube.delete_run(namespace, run.metadata.name, run.metadata.uid or "")

@@ -28,7 +28,7 @@ The contract (ARCHITECTURE.md, "Lifecycle of one run"):
 - with `spec.output`, a trainer that succeeded is followed by the export step (`Exporting`: one Job per
   run, or one process), which uploads the result and reports where it went, its digest and size
   (`status.output`); its failure fails the run (`ExportFailed`) without another attempt, and nothing is
-  deleted: the adapters stay on the run's volume; suspend waits until it is done;
+  deleted: the adapters stay on the run's volume; suspend waits until it is done, the deadline ends it;
 - terminal phases stay terminal.
 
 Actions are idempotent requests ("this should exist"), re-issued on every call
@@ -193,6 +193,11 @@ class CreateExporter:
 
 
 @dataclass(frozen=True)
+class DeleteExporter:
+    """The run's export step should not run (the run ended while it did: nothing may land after that)."""
+
+
+@dataclass(frozen=True)
 class EnsureServer:
     """The server should exist for this attempt with this many replicas (a new attempt replaces it)."""
 
@@ -249,6 +254,7 @@ Action = (
     Provision
     | CreateInitializer
     | CreateExporter
+    | DeleteExporter
     | EnsureServer
     | StopServer
     | DeleteServer
@@ -462,6 +468,8 @@ class _Step:
             self.status.start_time = self.now
             self.initialize(Reason.CREATED, "run started; fetching and checking the sources")
         elif self.deadline_passed():
+            if phase == Phase.EXPORTING:
+                self.actions.append(DeleteExporter())
             self.finish(
                 Phase.FAILED,
                 Reason.DEADLINE_EXCEEDED,

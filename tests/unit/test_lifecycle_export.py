@@ -9,6 +9,7 @@ from grpo_api.export_protocol import ExportResult
 from grpo_api.lifecycle import (
     CreateExporter,
     CreateTrainer,
+    DeleteExporter,
     EnsureServer,
     Observation,
     StopServer,
@@ -108,3 +109,4 @@ def test_the_deadline_ends_an_export_that_takes_too_long() -> None:
     current.start_time = at(0)
     ended = decide(spec, current, Observation(now=at(50), exporter=TrainerState.ACTIVE))
     assert ended.status.phase == Phase.FAILED and ended.status.reason == Reason.DEADLINE_EXCEEDED
+    assert ended.of_type(DeleteExporter)  # nothing lands after the run ended
