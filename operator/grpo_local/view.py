@@ -88,6 +88,9 @@ def summarize(run: LocalRun, elapsed: float) -> dict[str, Any]:
         "syncMsMean": 1000 * sum(syncs) / len(syncs) if syncs else None,
         "adapterVersion": final.adapter_version if final else (history[-1].adapter_version if history else None),
         "adaptersOnDisk": sorted(p.name for p in adapters.iterdir()) if adapters.is_dir() else [],
+        # spec.output: where the export step put the result (status.output), once it did.
+        "output": run.status.output.model_dump(by_alias=True, exclude_none=True, mode="json")
+        if run.status.output is not None else None,
         "elapsedSeconds": round(elapsed, 1),
         "runDir": str(run.run_dir),
     }
@@ -108,6 +111,7 @@ def summary_table(summary: dict[str, Any]) -> Table:
         ("reward, last 5 steps", _fmt(summary["rewardLast5"])),
         ("adapter sync, mean", f"{_fmt(summary['syncMsMean'], '.0f')} ms"),
         ("final adapter", f"v{summary['adapterVersion']}" if summary["adapterVersion"] else "–"),
+        *([("exported to", summary["output"]["uri"])] if summary.get("output") else []),
         ("elapsed", f"{summary['elapsedSeconds']} s"),
         ("run directory", summary["runDir"]),
     ]

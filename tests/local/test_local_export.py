@@ -42,6 +42,8 @@ def test_local_run_exports_the_final_adapter_to_a_claim_folder_and_records_it(
     assert (target / "adapter_model.safetensors").read_bytes() == (final / "adapter_model.safetensors").read_bytes()
     assert (run_dir / "logs" / "export.log").is_file()
     assert "Exporting" in (run_dir / "events.log").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["output"]["uri"] == "pvc://results/final" and "pvc://results/final" in out
 
 
 def test_a_failed_export_fails_the_local_run_and_keeps_the_adapters(
