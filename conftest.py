@@ -1,26 +1,21 @@
 """Shared pytest fixtures live in tests/fixtures/; they are registered here for every test."""
 
-from pathlib import Path
-
 pytest_plugins = [
     "tests.fixtures.models",
     "tests.fixtures.server",
     "tests.fixtures.controlplane",
 ]
 
-E2E = Path(__file__).parent / "tests" / "e2e"
-
 
 def pytest_collection_modifyitems(items: list) -> None:  # type: ignore[type-arg]
-    """Two marks by what a test needs, whatever its module says:
+    """`controlplane` on every test that uses the real control plane or another server built from the Go module
+    proxy (the export tests' OCI registry and S3 gateway), whatever its module says, so `-m "not controlplane"`
+    (hack/test.sh --quick) leaves out every test that needs the Go-built binaries.
 
-    - `controlplane` on a test that uses the real control plane or another server built from the Go module
-      proxy (the export tests' OCI registry and S3 gateway), so `-m "not controlplane"` (hack/test.sh --quick)
-      leaves out every test that needs the Go-built binaries;
-    - `xdist_group("node")` on every end-to-end test. hack/test.sh runs pytest in several pytest-xdist workers
-      (`--dist loadgroup`), each with its own session: its own control plane, models and servers on free
-      ports, in its own temporary folders. The end-to-end suite's session fixture brings up the one real node
-      of this machine (kubelet, containerd, registry, the operator's release), so its tests share one worker.
+    No xdist_group mark: with pytest 9, pytest-xdist 3.8's `--dist loadgroup` does not keep a group on one
+    worker (it rewrites `item._nodeid`, which pytest 9's `nodeid` no longer reads). hack/test.sh runs the
+    end-to-end suite, whose session fixture brings up the one real node, in a pytest process of its own, and
+    that fixture refuses to start under several workers.
     """
     import pytest
 
@@ -28,5 +23,3 @@ def pytest_collection_modifyitems(items: list) -> None:  # type: ignore[type-arg
     for item in items:
         if go_built & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.controlplane)
-        if E2E in Path(item.path).parents:
-            item.add_marker(pytest.mark.xdist_group("node"))

@@ -8,9 +8,13 @@
 #   bash hack/test.sh tests/server    # extra args go to pytest
 #   bash hack/test.sh --quick         # no root, Go or images: lint, types, contracts, CRD drift and the
 #                                     # unit, server, trainer, local and stage tests without the control plane
-# pytest runs in GRPO_TEST_WORKERS pytest-xdist workers (default 3: most tests wait on processes, sockets
-# and the control plane, so three keep two cores busy); each worker has its own control plane and models,
-# and tests/conftest.py keeps the end-to-end suite (the one real node) on one worker. 0 runs in one process.
+# pytest: with no arguments, the end-to-end suite (tests/e2e: its session fixture brings up this machine's one
+# real node) runs in a pytest process of its own, its output kept in a file and printed when it ends, while
+# every other test runs beside it in GRPO_TEST_WORKERS pytest-xdist workers (default 2; most tests wait on
+# processes, sockets and the control plane). Each worker has its own control plane, models and servers on
+# free ports; --dist loadfile keeps a module's tests, and so its module-scoped servers, on one worker.
+# With arguments, one pytest runs them in those workers (in one process when they name tests/e2e);
+# GRPO_TEST_WORKERS=0 runs everything in one process, one suite after the other.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -34,18 +38,47 @@ checks() {
   .venv/bin/grpo crd --check crds/grpo.dev_grporuns.yaml
 }
 
-pytest_run() {  # pytest_run ARGS...: exit code 5 (no tests collected) is a failure here
-  step "pytest"
-  set +e
-  "$PY" -m pytest -n "${GRPO_TEST_WORKERS:-3}" --dist loadgroup "$@" -p no:cacheprovider --durations=30 --durations-min=15
-  rc=$?
-  set -e
+WORKERS=${GRPO_TEST_WORKERS:-2}
+
+run_pytest() {  # run_pytest ARGS...: one pytest; its exit code 5 (no tests collected) is a failure here
+  local rc=0
+  "$PY" -m pytest "$@" -p no:cacheprovider --durations=30 --durations-min=15 || rc=$?
   if [ "$rc" -eq 5 ]; then
-    echo "pytest collected no tests: that is a failure here" >&2
-    exit 1
+    echo "pytest $* collected no tests: that is a failure here" >&2
+    rc=1
   fi
+  return "$rc"
+}
+
+pytest_run() {  # pytest_run ARGS...: the given tests, in WORKERS workers unless they name the end-to-end suite
+  local workers=$WORKERS rc=0
+  for arg in "$@"; do
+    case $arg in tests/e2e*) workers=0 ;; esac
+  done
+  step "pytest ($workers workers): $*"
+  run_pytest -n "$workers" --dist loadfile "$@" || rc=$?
   echo "total $(( $(date +%s) - t0 ))s"
   exit "$rc"
+}
+
+pytest_all() {  # the end-to-end suite in its own process, beside every other test in WORKERS workers
+  if [ "$WORKERS" -eq 0 ]; then
+    pytest_run tests
+  fi
+  local e2e_log rest_rc=0 e2e_rc=0
+  e2e_log=$(mktemp /tmp/grpo-e2e-XXXXXX.log)
+  step "pytest: tests/e2e in one process (output in $e2e_log, printed when it ends), beside the other tests in $WORKERS workers"
+  run_pytest -n 0 tests/e2e > "$e2e_log" 2>&1 &
+  local e2e_pid=$!
+  trap 'kill "$e2e_pid" 2>/dev/null || true' EXIT   # a failed or interrupted run leaves no suite behind
+  run_pytest -n "$WORKERS" --dist loadfile tests --ignore=tests/e2e || rest_rc=$?
+  step "the other tests ended (exit $rest_rc); waiting for tests/e2e"
+  wait "$e2e_pid" || e2e_rc=$?
+  step "pytest tests/e2e (exit $e2e_rc)"
+  cat "$e2e_log"
+  echo "tests/e2e exit $e2e_rc, the other tests exit $rest_rc; total $(( $(date +%s) - t0 ))s"
+  if [ "$rest_rc" -ne 0 ]; then exit "$rest_rc"; fi
+  exit "$e2e_rc"
 }
 
 if [ -n "$QUICK" ]; then
@@ -69,4 +102,5 @@ step "GPU images (hack/images.sh gpu: ENGINE=vllm, built and smoke-tested on CPU
 bash hack/images.sh gpu
 
 checks
-pytest_run "${@:-tests}"
+if [ $# -gt 0 ]; then pytest_run "$@"; fi
+pytest_all

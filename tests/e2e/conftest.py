@@ -110,6 +110,9 @@ def node_images(node: Node) -> set[str]:
 def node() -> Iterator[Node]:
     if os.geteuid() != 0:
         pytest.fail("the end-to-end suite runs a kubelet and containerd: it needs root")
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:   # each worker would bring up the one node
+        pytest.fail("the end-to-end suite brings up this machine's one node: run it in one pytest process "
+                    "(hack/test.sh does), not under pytest-xdist's -n")
     testbin = os.environ.get("GRPO_TESTBIN_DIR") or _run(
         ["bash", "hack/build-testbin.sh"], IMAGE_BUILD_TIMEOUT_S).stdout.strip().splitlines()[-1]
     env = {**os.environ, "GRPO_TESTBIN_DIR": testbin}
