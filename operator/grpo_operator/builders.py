@@ -34,7 +34,7 @@ from grpo_api.models import (
 )
 from grpo_api.prepare_protocol import EXIT_PERMANENT
 from grpo_api.runconfig import RUN_CONFIG_FILE, ServerEndpoints, run_config_for
-from grpo_api.sources import ClusterLayout, SourceVolume, cluster_layout, hub_tokens
+from grpo_api.sources import ClusterLayout, SourceVolume, cluster_layout, hub_tokens, s3_credentials
 
 LABEL_PREFIX = "grpo.dev"
 RUN_LABEL = f"{LABEL_PREFIX}/run"
@@ -816,23 +816,23 @@ def build_trainer_job(
 
 
 def build_initializer_job(run: GRPORun, images: Images | None = None) -> dict[str, Any]:
-    """The run's initializer: fetches its hf:// sources onto its volume and checks that the model, the
-    dataset and every reward function load, once per run, before any server.
+    """The run's initializer: fetches its hf://, s3:// and https:// sources onto its volume and checks that the
+    model, the dataset and every reward function load, once per run, before any server.
 
     A transient failure (network, hub) is retried by the Job (backoffLimit, its exponential delay) and
     the fetch resumes; a permanent one (exit code 2: not found, a missing module) fails the Job at
     once (podFailurePolicy). It runs in the trainer image with the trainer's env, volumes and pod
-    settings (a proxy or a CA bundle for a mirror applies to both), and reads hub tokens that only
-    it is given.
+    settings (a proxy or a CA bundle for a mirror applies to both), and reads hub tokens and s3://
+    credentials that only it is given.
     """
     trainer = run.spec.trainer
     init = run.spec.initializer
     images = images or Images()
     ours: list[dict[str, Any]] = [
         # optional: a missing Secret or key leaves the variable unset, which the initializer reports
-        # (naming hub.tokenSecretRef) instead of its pod never starting.
+        # (naming hub.tokenSecretRef or s3.credentialsSecret) instead of its pod never starting.
         {"name": env, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}}}
-        for env, secret, key in hub_tokens(run.spec)
+        for env, secret, key in [*hub_tokens(run.spec), *s3_credentials(run.spec)]
     ]
     ours.append({"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"})
     container = {

@@ -48,6 +48,7 @@ from grpo_api.spec.names import (
     is_qualified_name,
     qualified_name_cel,
 )
+from grpo_api.spec.objectstore import BucketLocation, S3Access, https_file_name, parse_s3
 from grpo_api.spec.output import Destination, OutputForm, OutputSpec, parse_destination
 from grpo_api.spec.pods import (
     ANNOTATION_KEYS_MESSAGE,
@@ -326,6 +327,7 @@ __all__ = [
     "AdapterSpec",
     "AdapterStatus",
     "ApiModel",
+    "BucketLocation",
     "CleanupPolicy",
     "Condition",
     "ConditionType",
@@ -370,6 +372,7 @@ __all__ = [
     "RewardCodeSpec",
     "RewardSpec",
     "RunPolicy",
+    "S3Access",
     "SchedulingSpec",
     "SecretKeySelector",
     "ServerSpec",
@@ -387,11 +390,13 @@ __all__ = [
     "VolumeMount",
     "VolumeMountPath",
     "WeightTransfer",
+    "https_file_name",
     "is_container_resource_name",
     "is_integer_quantity",
     "is_qualified_name",
     "parse_destination",
     "parse_quantity",
+    "parse_s3",
     "pod_rules",
     "qualified_name_cel",
     "round_reward",

@@ -84,7 +84,8 @@ class ServerEndpoints(BaseModel):
 
 
 class FetchedCommits(BaseModel):
-    """What the initializer fetched for one run: hf:// source folder -> commit. The server and trainer read the
+    """What the initializer fetched for one run: hf:// source folder -> commit (s3:// and https:// source folder ->
+    object version). The server and trainer read the
     files of these commits (`ResolvedSources.at_commits`), so another run's fetch of a moved branch, which lands in
     a folder of its own, changes nothing they read; the run names whose record it is (a run re-created under the
     same name writes its own before its server starts)."""
@@ -146,9 +147,10 @@ class RunConfig(BaseModel):
         return record.commits if record.run == self.run else {}
 
     def _fetched(self, path: str | None) -> Path | None:
-        """A source path; one inside an hf:// source's folder is taken in the folder of the commit fetched for this
-        run, so another run's fetch of a moved branch changes nothing this run reads."""
-        if path is None or not self.sources.fetches:
+        """A source path; one inside an hf://, s3:// or https:// source's folder is taken in the folder of the commit
+        (or object version) fetched for this run, so another run's fetch of a moved branch or a changed object
+        changes nothing this run reads."""
+        if path is None or not (self.sources.fetches or self.sources.object_fetches):
             return None if path is None else Path(path)
         try:
             return Path(self.sources.at_commits(path, self.fetched_commits()))
@@ -218,7 +220,7 @@ class RunConfig(BaseModel):
         directories, the dataset's directory, the volume."""
         dataset = self.dataset_path()
         return [
-            *(Path(p) for p in self.sources.reward_paths),
+            *(Path(p) for p in map(self._fetched, self.sources.reward_paths) if p is not None),
             dataset.parent if not dataset.is_dir() else dataset,
             Path(self.paths.volume_root),
         ]

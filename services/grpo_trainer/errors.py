@@ -44,3 +44,13 @@ def exit_code(exc: BaseException) -> int:
     """The trainer's exit code for the error that ended it (grpo_api.exit_codes): EXIT_INVALID_SPEC when no
     retry can help, EXIT_FAILED otherwise (the next attempt, with a fresh server, may succeed)."""
     return EXIT_INVALID_SPEC if isinstance(exc, InvalidSpec | RunConfigError) else EXIT_FAILED
+
+
+def causes(exc: BaseException) -> list[BaseException]:
+    """exc and the exceptions it was raised from or while handling, outermost first."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and all(current is not seen for seen in chain):
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain

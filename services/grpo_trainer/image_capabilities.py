@@ -6,7 +6,8 @@ then once per attempt. What the trainer needs is `config.vllm_needed_for`; this 
 importing it, as the trainer would: an installed but broken vLLM (a missing library, a compiled
 extension built for another torch) is as useless as none. The trackers of spec.trainer.reportTo are looked
 for as transformers looks for them (their package is installed), and so is the client the export step needs
-for spec.output's destination (the export runs in this image after the last step: better to know now).
+for spec.output's destination (the export runs in this image after the last step: better to know now), and
+the S3 client of s3:// sources.
 """
 
 from __future__ import annotations
@@ -59,11 +60,24 @@ def export_client_missing(spec: GRPORunSpec) -> UnsupportedSetting | None:
     )
 
 
+def source_client_missing(spec: GRPORunSpec) -> UnsupportedSetting | None:
+    """The refusal of an s3:// source when this image lacks boto3 (the initializer fetches it in this image)."""
+    sections = {"spec.model.source": spec.model, "spec.model.adapter.source": spec.model.adapter,
+                "spec.dataset.source": spec.dataset, "spec.rewardCode.source": spec.reward_code}
+    for field, section in sections.items():
+        source = section.source if section is not None else None
+        if source is not None and source.startswith("s3://") and importlib.util.find_spec("boto3") is None:
+            return UnsupportedSetting(f"{field} s3:// needs the boto3 package, which this trainer image lacks (the "
+                                      "initializer fetches it in this image); use an image that has it")
+    return None
+
+
 def check_trainer_image(spec: GRPORunSpec, weight_transfer_auto: str | None = None) -> None:
     """Raise UnsupportedSetting when the spec needs vLLM in the trainer and this image cannot import it, or
     reports to a tracker whose package it lacks. `weight_transfer_auto` defaults to $GRPO_WEIGHT_TRANSFER, as the
     server resolves it."""
-    lacking = trackers_missing(spec, available_trackers()) or export_client_missing(spec)
+    lacking = (trackers_missing(spec, available_trackers()) or export_client_missing(spec)
+               or source_client_missing(spec))
     if lacking is not None:
         raise lacking
     auto = weight_transfer_auto if weight_transfer_auto is not None else os.environ.get(ENV_WEIGHT_TRANSFER)

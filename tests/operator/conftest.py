@@ -336,13 +336,17 @@ class Kube:
 
 class InitializerKubelet:
     """Plays the kubelet for initializer pods: each one succeeds, as `grpo prepare` does when the
-    sources are fine, unless the test set an exit code (and termination message) for its run."""
+    sources are fine, unless the test set an exit code (and termination message) for its run, or a
+    container that runs in the pod's stead (`run_container`)."""
 
     def __init__(self, kube: Kube) -> None:
         self.kube = kube
         #: Per run, the exit codes and termination messages of its next initializer pods, in order;
         #: once used up, pods succeed.
         self.outcomes: dict[str, list[tuple[int, str]]] = {}
+        #: Per run, what runs in its initializer pods' stead: called with the pod, it returns the exit code and
+        #: termination message.
+        self.containers: dict[str, Callable[[Any], tuple[int, str]]] = {}
         self.finished: list[str] = []
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="initializer-kubelet", daemon=True)
@@ -357,8 +361,10 @@ class InitializerKubelet:
                     name = pod.metadata.name
                     if name in self.finished or pod.status.phase in ("Succeeded", "Failed"):
                         continue
-                    queue = self.outcomes.get(pod.metadata.labels.get("grpo.dev/run", ""), [])
-                    code, message = queue[0] if queue else (0, "")
+                    run = pod.metadata.labels.get("grpo.dev/run", "")
+                    queue = self.outcomes.get(run, [])
+                    code, message = (self.containers[run](pod) if run in self.containers
+                                     else queue[0] if queue else (0, ""))
                     self.kube.terminate_pod(name, "initializer", code, message)
                     self.finished.append(name)
                     if queue:

@@ -30,11 +30,13 @@ from grpo_api.sources import (
     HubKey,
     HubSource,
     ImageSource,
+    ObjectKey,
     SourceError,
     cluster_layout,
     hub_dir,
     hub_key,
     local_sources,
+    object_dir,
     parse_source,
 )
 from grpo_operator import builders as b
@@ -68,7 +70,8 @@ def test_source_uris_parse(uri: str, parsed: object) -> None:
     assert parse_source(uri, "spec.model.source") == parsed
 
 
-@pytest.mark.parametrize("uri", ["s3://b/k", "pvc://models/../etc", "hf://org/name@../x", "models"])
+@pytest.mark.parametrize("uri", ["gs://bucket/k", "s3://b/k", "s3://my-bucket/a/../k", "https://h.example/x?sig=1",
+                                 "pvc://models/../etc", "hf://org/name@../x", "models"])
 def test_bad_source_uris_are_refused_naming_the_field(uri: str) -> None:
     with pytest.raises(SourceError, match=r"spec\.model\.source"):
         parse_source(uri, "spec.model.source")
@@ -130,6 +133,55 @@ def test_an_hf_dataset_without_token_lands_under_datasets() -> None:
     assert fetch.local_dir == local_dir and local_dir.startswith("/data/hub/datasets/org--prompts@main-")
     assert run_config(run).sources.dataset_path == f"{local_dir}/data/train.parquet"
     assert DATASET_TOKEN_ENV not in raw_env(b.build_initializer_job(run))
+
+
+def test_s3_sources_are_fetched_by_the_initializer_alone_with_the_secrets_credentials() -> None:
+    access = {"credentialsSecret": "s3-keys", "endpoint": "http://minio.storage:9000/", "region": "auto"}
+    run = make_run(model={"name": "m", "source": "s3://models/qwen", "s3": access},
+                   dataset={"source": "s3://data-bucket/sets", "path": "gsm8k/train.jsonl"},
+                   rewards=[{"function": "r:f"}], rewardCode={"source": "https://code.example.com/r/r.py"})
+    sources = run_config(run).sources
+    model, dataset, code = sources.object_fetches
+    assert model.model_dump() == {
+        "field": "spec.model.source", "uri": "s3://models/qwen", "select": "", "endpoint": "http://minio.storage:9000",
+        "local_dir": object_dir("/data", ObjectKey("s3://models/qwen", "http://minio.storage:9000")),
+        "region": "auto", "credentials_role": "model", "max_bytes": None}
+    assert re.fullmatch(r"/data/objects/models--qwen-[0-9a-f]{16}", model.local_dir)
+    assert sources.model_dir == model.local_dir
+    # a dataset fetches only its path, and no credentials without a Secret (boto3's own chain in the pod)
+    assert (dataset.select, dataset.credentials_role) == ("gsm8k/train.jsonl", None)
+    assert sources.dataset_path == f"{dataset.local_dir}/gsm8k/train.jsonl"
+    assert (code.uri, code.max_bytes, sources.reward_paths) == ("https://code.example.com/r/r.py", 1 << 20,
+                                                                 [code.local_dir])
+    init = raw_env(b.build_initializer_job(run))
+    assert {name: init[name]["valueFrom"] for name in init if name.startswith("GRPO_S3_")} == {
+        "GRPO_S3_MODEL_ACCESS_KEY_ID": {"secretKeyRef": {"name": "s3-keys", "key": "accessKeyId", "optional": True}},
+        "GRPO_S3_MODEL_SECRET_ACCESS_KEY": {"secretKeyRef": {"name": "s3-keys", "key": "secretAccessKey",
+                                                             "optional": True}},
+        "GRPO_S3_MODEL_SESSION_TOKEN": {"secretKeyRef": {"name": "s3-keys", "key": "sessionToken", "optional": True}},
+    }
+    for pod in every_pod(run)[1:]:
+        assert not [name for name in raw_env(pod) if name.startswith("GRPO_S3_")], "only the initializer sees them"
+        assert not [v for v in volumes_of(pod).values() if "src-" in str(v)], "fetched sources mount nothing"
+
+
+def test_object_sources_that_differ_get_folders_of_their_own_and_grpo_run_fetches_them_too(tmp_path: Path) -> None:
+    distinct = [
+        {"source": "s3://bucket-a/sets", "path": "train.jsonl"},
+        {"source": "s3://bucket-a/sets", "path": "test.jsonl"},  # another selection of the prefix
+        {"source": "s3://bucket-a/sets", "path": "train.jsonl", "s3": {"endpoint": "http://minio:9000"}},
+        {"source": "s3://bucket-a/sets/train.jsonl", "path": "train.jsonl"},
+        {"source": "https://bucket-a/sets/train.jsonl"},  # the same readable name, another source
+    ]
+    cluster, local = [], []
+    for dataset in distinct:
+        run = make_run(dataset=dataset if "path" in dataset else {**dataset, "path": None})
+        cluster += cluster_layout(run.spec, data_claim="d", inline_rewards_configmap="r").sources.object_fetches
+        local += local_sources(run.spec, tmp_path).object_fetches
+    assert len({f.local_dir for f in cluster}) == len(distinct)
+    assert {posixpath.dirname(f.local_dir) for f in cluster} == {"/data/objects"}
+    assert {posixpath.dirname(f.local_dir) for f in local} == {f"{tmp_path}/objects"}
+    assert all(f.credentials_role is None for f in local)  # `grpo run`: boto3's own AWS_* variables
 
 
 #: Sources that a path of ORG/NAME/REVISION folders could not tell apart or would nest in one another

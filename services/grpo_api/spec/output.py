@@ -19,11 +19,18 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from grpo_api.spec import cel
 from grpo_api.spec.api import ApiModel
-from grpo_api.spec.names import DNS_SUBDOMAIN, DNS_SUBDOMAIN_PATTERN
+from grpo_api.spec.names import DNS_SUBDOMAIN
+from grpo_api.spec.objectstore import (
+    DOUBLE_MESSAGE,
+    PATH,
+    REGION_TEXT,
+    S3_PATTERN,
+    EndpointUrl,
+    Region,
+    SecretName,
+    parse_s3,
+)
 
-#: A path segment under a claim or a bucket: starts with a letter, digit or '_', so never '.' or '..'.
-_SEGMENT = r"[A-Za-z0-9_][-A-Za-z0-9_.]{0,254}"
-_PATH = rf"(/{_SEGMENT})*"
 #: Hugging Face repository id parts (huggingface_hub.utils.validate_repo_id, stricter: no leading or
 #: trailing '-', '_' or '.').
 _HF_PART = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,94}[A-Za-z0-9])?"
@@ -34,14 +41,10 @@ _PORT = r":[0-9]{1,5}"
 _OCI_HOST_PORT = rf"((localhost|{_OCI_HOST_PART}([.]{_OCI_HOST_PART})+)({_PORT})?|{_OCI_HOST_PART}{_PORT})"
 _OCI_COMPONENT = r"[a-z0-9]+(([._]|__|[-]+)[a-z0-9]+)*"
 _OCI_TAG = r"[A-Za-z0-9_][-A-Za-z0-9_.]{0,127}"
-#: S3 bucket names (docs.aws.amazon.com/AmazonS3/latest/userguide/bucketnamingrules.html): 3-63 characters
-#: of a-z, 0-9, '.' and '-', starting and ending with a letter or digit, no '..' (checked apart).
-_BUCKET = r"[a-z0-9][-a-z0-9.]{1,61}[a-z0-9]"
 
-PVC_PATTERN = rf"^pvc://(?P<claim>{DNS_SUBDOMAIN})(?P<path>{_PATH})$"
+PVC_PATTERN = rf"^pvc://(?P<claim>{DNS_SUBDOMAIN})(?P<path>{PATH})$"
 HF_PATTERN = rf"^hf://(?P<repo>{_HF_PART}/{_HF_PART})$"
 OCI_PATTERN = rf"^oci://(?P<registry>{_OCI_HOST_PORT})/(?P<repository>{_OCI_COMPONENT}(/{_OCI_COMPONENT})*)(:(?P<tag>{_OCI_TAG}))?$"
-S3_PATTERN = rf"^s3://(?P<bucket>{_BUCKET})(?P<path>{_PATH})$"
 #: The same patterns without Python's group names, for CEL (RE2 takes (?P<...>), but one form is simpler to read).
 _CEL_PATTERNS = {
     scheme: re.sub(r"\(\?P<[a-z]+>", "(", pattern)
@@ -51,12 +54,11 @@ DESTINATION_MESSAGE = (
     "must be pvc://CLAIM[/PATH], hf://ORG/NAME, oci://HOST[:PORT]/REPOSITORY[:TAG] or s3://BUCKET[/PREFIX]; "
     "path segments start with a letter, digit or '_' (no '.', '..' or empty segment)"
 )
-DOUBLE_MESSAGE = "may not hold '--' or '..' (hf:// repository ids and s3:// buckets refuse them)"
-ENDPOINT_PATTERN = r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[-A-Za-z0-9_.~/]*)?$"
 HF_NEEDS_SECRET = "an hf:// destination needs credentialsSecret (key 'token'): a push needs a token"
-PVC_NO_SECRET = "a pvc:// destination takes no credentialsSecret, endpoint or plainHttp"
+PVC_NO_SECRET = "a pvc:// destination takes no credentialsSecret, endpoint, region or plainHttp"
 ENDPOINT_ONLY = "endpoint applies to s3:// and hf:// destinations only"
 PLAIN_HTTP_ONLY = "plainHttp applies to oci:// destinations only"
+REGION_ONLY = "region applies to s3:// destinations only"
 
 
 class OutputForm(StrEnum):
@@ -98,8 +100,8 @@ def parse_destination(value: str) -> Destination:
         return Destination("hf", m["repo"])
     if m := re.fullmatch(OCI_PATTERN, value):
         return Destination("oci", m["registry"], m["repository"], m["tag"] or "latest")
-    if m := re.fullmatch(S3_PATTERN, value):
-        return Destination("s3", m["bucket"], m["path"].lstrip("/"))
+    if bucket := parse_s3(value):
+        return Destination("s3", bucket.bucket, bucket.prefix)
     raise ValueError(f"{value!r} {DESTINATION_MESSAGE}")
 
 
@@ -111,11 +113,12 @@ OUTPUT_RULES: list[cel.Rule] = [
     cel.rule(f"!self.destination.startsWith('hf://') || {_has('credentialsSecret')}", HF_NEEDS_SECRET,
              fieldPath=".credentialsSecret"),
     cel.rule(f"!self.destination.startsWith('pvc://') || !({_has('credentialsSecret')} || {_has('endpoint')} || "
-             f"{_has('plainHttp')})", PVC_NO_SECRET, fieldPath=".destination"),
+             f"{_has('region')} || {_has('plainHttp')})", PVC_NO_SECRET, fieldPath=".destination"),
     cel.rule(f"!{_has('endpoint')} || self.destination.startsWith('s3://') || self.destination.startsWith('hf://')",
              ENDPOINT_ONLY, fieldPath=".endpoint"),
     cel.rule(f"!{_has('plainHttp')} || self.destination.startsWith('oci://')", PLAIN_HTTP_ONLY,
              fieldPath=".plainHttp"),
+    cel.rule(f"!{_has('region')} || self.destination.startsWith('s3://')", REGION_ONLY, fieldPath=".region"),
 ]
 
 
@@ -141,19 +144,18 @@ class OutputSpec(ApiModel):
             cel.rule("!self.contains('--') && !self.contains('..')", DOUBLE_MESSAGE),
         ),
     )
-    credentials_secret: str | None = Field(
+    credentials_secret: SecretName | None = Field(
         default=None,
         description="A Secret in the run's namespace with the destination's credentials: hf:// key token; "
         "s3:// keys accessKeyId and secretAccessKey (sessionToken optional); oci:// keys username and "
         "password. Only the export step gets them.",
-        min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN,
     )
-    endpoint: str | None = Field(
+    endpoint: EndpointUrl | None = Field(
         default=None,
         description="s3://: the S3 endpoint URL of a service other than AWS; hf://: a Hub endpoint other than "
         "huggingface.co.",
-        max_length=512, pattern=ENDPOINT_PATTERN,
     )
+    region: Region | None = Field(default=None, description=f"s3://: {REGION_TEXT}")
     plain_http: bool | None = Field(
         default=None, description="oci://: talk plain HTTP to the registry (a registry on the cluster's network)."
     )
@@ -172,12 +174,14 @@ class OutputSpec(ApiModel):
         if scheme == "hf" and self.credentials_secret is None:
             raise ValueError(HF_NEEDS_SECRET)
         if scheme == "pvc" and (self.credentials_secret is not None or self.endpoint is not None
-                                or self.plain_http is not None):
+                                or self.region is not None or self.plain_http is not None):
             raise ValueError(PVC_NO_SECRET)
         if self.endpoint is not None and scheme not in ("s3", "hf"):
             raise ValueError(ENDPOINT_ONLY)
         if self.plain_http is not None and scheme != "oci":
             raise ValueError(PLAIN_HTTP_ONLY)
+        if self.region is not None and scheme != "s3":
+            raise ValueError(REGION_ONLY)
         return self
 
     @property

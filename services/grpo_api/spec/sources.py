@@ -1,8 +1,8 @@
 """Where a run's inputs come from: the base model, the prompt dataset, reward functions and their code.
 
-Sources are URIs (pvc://, hf://, oci://, configmap://; grpo_api.sources resolves them to paths), for the model, a
-warm-start adapter (model.adapter), the dataset and reward code; a path
-inside a source is relative and holds no `..`.
+Sources are URIs (pvc://, hf://, oci://, configmap://, s3://, https://; grpo_api.sources resolves them to paths),
+for the model, a warm-start adapter (model.adapter), the dataset and reward code; a path inside a source is
+relative and holds no `..`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from grpo_api.spec import cel
 from grpo_api.spec.api import ApiModel
 from grpo_api.spec.env import SecretKeySelector
 from grpo_api.spec.names import DNS_SUBDOMAIN, KEY_PATTERN, NO_DOTDOT_CEL, has_dotdot
+from grpo_api.spec.objectstore import DOUBLE_MESSAGE, HTTPS_URI, S3_URI, S3Access, https_file_name, parse_s3
 
 
 class ModelDType(StrEnum):
@@ -29,7 +30,9 @@ class ModelDType(StrEnum):
 #: Where a model, a dataset or reward code comes from (services/grpo_api/sources.py reads them):
 #: pvc://CLAIM[/PATH] an existing claim in the run's namespace, hf://[ORG/]NAME[@REVISION] a Hugging
 #: Face repository fetched once per run, oci://REFERENCE an OCI image mounted read-only (image volume),
-#: configmap://NAME a ConfigMap in the run's namespace (datasets and reward code only).
+#: configmap://NAME a ConfigMap in the run's namespace (datasets and reward code only), s3://BUCKET[/PREFIX] the
+#: objects under a prefix fetched once per run, https://HOST/PATH one file fetched once per run (datasets and reward
+#: code only: a model is many files).
 PVC_URI = rf"pvc://{DNS_SUBDOMAIN}(/[-A-Za-z0-9_.@+=,/]*)?"
 #: A hub revision: a branch, a tag (refs/pr/1, refs/convert/parquet) or a commit. Relative, of elements that
 #: do not start with '.', no '//' nor a trailing '/' (as git ref names): it is a directory on the volume.
@@ -39,9 +42,9 @@ REVISION_PATTERN = rf"^{REVISION}$"
 HF_URI = rf"hf://([A-Za-z0-9][-A-Za-z0-9_.]{{0,95}}/)?[A-Za-z0-9][-A-Za-z0-9_.]{{0,95}}(@{REVISION})?"
 OCI_URI = r"oci://[a-z0-9][-a-z0-9.]*(:[0-9]+)?(/[-a-z0-9_.]+)+(:[A-Za-z0-9_][-A-Za-z0-9_.]{0,127})?(@sha256:[a-f0-9]{64})?"
 CONFIGMAP_URI = rf"configmap://{DNS_SUBDOMAIN}"
-MODEL_SOURCE_PATTERN = f"^({PVC_URI}|{HF_URI}|{OCI_URI})$"
-DATASET_SOURCE_PATTERN = f"^({PVC_URI}|{HF_URI}|{OCI_URI}|{CONFIGMAP_URI})$"
-CODE_SOURCE_PATTERN = f"^({PVC_URI}|{OCI_URI}|{CONFIGMAP_URI})$"
+MODEL_SOURCE_PATTERN = f"^({PVC_URI}|{HF_URI}|{OCI_URI}|{S3_URI})$"
+DATASET_SOURCE_PATTERN = f"^({PVC_URI}|{HF_URI}|{OCI_URI}|{CONFIGMAP_URI}|{S3_URI}|{HTTPS_URI})$"
+CODE_SOURCE_PATTERN = f"^({PVC_URI}|{OCI_URI}|{CONFIGMAP_URI}|{S3_URI}|{HTTPS_URI})$"
 #: A path inside a source: relative, no `..` segment (checked again by CEL and the validators).
 RELATIVE_PATH_PATTERN = r"^[-A-Za-z0-9_.@+=,/ ]*$"
 
@@ -84,9 +87,19 @@ class HubAccess(ApiModel):
     )
 
 
-def _check_source_path(section: str, source: str | None, path: str | None) -> None:
+S3_ONLY = "applies only to an s3:// source"
+HTTPS_NO_PATH = "an https:// source is one file (the URL names it): path does not apply"
+
+
+def _check_source_path(section: str, source: str | None, path: str | None, s3: S3Access | None = None) -> None:
     if source is not None and ".." in re.split(r"[/@]", source):
         raise ValueError(f"{section}.source may not hold a '..' segment")
+    if source is not None and source.startswith("s3://") and parse_s3(source) is None:
+        raise ValueError(f"{section}.source {source!r} {DOUBLE_MESSAGE}")
+    if s3 is not None and not (source or "").startswith("s3://"):
+        raise ValueError(f"{section}.s3 {S3_ONLY}")
+    if source is not None and source.startswith("https://") and path is not None:
+        raise ValueError(f"{section}.path: {HTTPS_NO_PATH}")
     if source is None or path is None:
         return
     if path.startswith("/") or has_dotdot(path) or not re.fullmatch(RELATIVE_PATH_PATTERN, path):
@@ -96,7 +109,7 @@ def _check_source_path(section: str, source: str | None, path: str | None) -> No
         )
 
 
-def _source_rules(section: str) -> list[cel.Rule]:
+def _source_rules(section: str, *, https: bool = False) -> list[cel.Rule]:
     """CEL of _check_source_path and of the hub's check, for the section's source, path and hub."""
     return [
         cel.rule(
@@ -116,7 +129,33 @@ def _source_rules(section: str) -> list[cel.Rule]:
             f"{section}.hub applies only to an hf:// {section}.source",
             fieldPath=".hub",
         ),
+        *_object_rules(section, https=https),
     ]
+
+
+def _object_rules(section: str, *, https: bool) -> list[cel.Rule]:
+    """CEL of _check_source_path's object-storage checks: an s3:// URI without '--' or '..', s3 only beside an
+    s3:// source, and where the section takes https://, no path beside it."""
+    rules = [
+        cel.rule(
+            "!has(self.source) || !self.source.startsWith('s3://') || "
+            "(!self.source.contains('--') && !self.source.contains('..'))",
+            f"{section}.source {DOUBLE_MESSAGE}",
+            fieldPath=".source",
+        ),
+        cel.rule(
+            "!has(self.s3) || (has(self.source) && self.source.startsWith('s3://'))",
+            f"{section}.s3 {S3_ONLY}",
+            fieldPath=".s3",
+        ),
+    ]
+    if https:
+        rules.append(cel.rule(
+            "!has(self.path) || !has(self.source) || !self.source.startsWith('https://')",
+            f"{section}.path: {HTTPS_NO_PATH}",
+            fieldPath=".path",
+        ))
+    return rules
 
 
 MODEL_RULES: list[cel.Rule] = [
@@ -147,8 +186,9 @@ class AdapterSpec(ApiModel):
         default=None,
         description="Where the adapter comes from: pvc://CLAIM/PATH (an existing claim in the run's namespace, "
         "e.g. another run's volume: pvc://CLAIM/adapters/RUN/vN), hf://ORG/NAME@REVISION (an adapter repository, "
-        "fetched once per run onto the run's volume), or oci://REGISTRY/IMAGE:TAG (an image volume). `path` is "
-        "then the adapter directory inside the source.",
+        "fetched once per run onto the run's volume), oci://REGISTRY/IMAGE:TAG (an image volume), or "
+        "s3://BUCKET/PREFIX (the objects under the prefix, fetched once per run). `path` is then the adapter "
+        "directory inside the source.",
         max_length=1024,
         pattern=MODEL_SOURCE_PATTERN,
     )
@@ -160,6 +200,9 @@ class AdapterSpec(ApiModel):
         max_length=1024,
     )
     hub: HubAccess | None = Field(default=None, description="Token and endpoint for an hf:// source.")
+    s3: S3Access | None = Field(
+        default=None, description="Credentials Secret, endpoint and region for an s3:// source."
+    )
 
     model_config = ConfigDict(json_schema_extra=cel.rules(*ADAPTER_RULES))
 
@@ -167,7 +210,7 @@ class AdapterSpec(ApiModel):
     def _source_path(self) -> AdapterSpec:
         if self.source is None and self.path is None:
             raise ValueError("model.adapter needs a source or a path")
-        _check_source_path("model.adapter", self.source, self.path)
+        _check_source_path("model.adapter", self.source, self.path, self.s3)
         if self.hub is not None and not (self.source or "").startswith("hf://"):
             raise ValueError("model.adapter.hub applies only to an hf:// model.adapter.source")
         return self
@@ -186,8 +229,9 @@ class ModelSpec(ApiModel):
         default=None,
         description="Where the weights come from: pvc://CLAIM/PATH (an existing claim in the run's "
         "namespace), hf://ORG/NAME@REVISION (fetched once per run onto the run's volume by the "
-        "initializer), or oci://REGISTRY/IMAGE:TAG (an OCI image mounted read-only; Kubernetes image "
-        "volumes). `path` is then a directory inside the source.",
+        "initializer), oci://REGISTRY/IMAGE:TAG (an OCI image mounted read-only; Kubernetes image "
+        "volumes), or s3://BUCKET/PREFIX (the objects under the prefix, fetched once per run onto the run's "
+        "volume by the initializer). `path` is then a directory inside the source.",
         max_length=1024,
         pattern=MODEL_SOURCE_PATTERN,
     )
@@ -203,6 +247,9 @@ class ModelSpec(ApiModel):
         max_length=256, pattern=REVISION_PATTERN,
     )
     hub: HubAccess | None = Field(default=None, description="Token and endpoint for an hf:// source.")
+    s3: S3Access | None = Field(
+        default=None, description="Credentials Secret, endpoint and region for an s3:// source."
+    )
     dtype: ModelDType = Field(default=ModelDType.AUTO, description="Weights dtype for serving and training.")
     adapter: AdapterSpec | None = Field(
         default=None,
@@ -215,7 +262,7 @@ class ModelSpec(ApiModel):
 
     @model_validator(mode="after")
     def _source_path(self) -> ModelSpec:
-        _check_source_path("model", self.source, self.path)
+        _check_source_path("model", self.source, self.path, self.s3)
         if self.hub is not None and not (self.source or "").startswith("hf://"):
             raise ValueError("model.hub applies only to an hf:// model.source")
         if self.source is not None and self.revision is not None:
@@ -242,11 +289,14 @@ class PromptFormat(StrEnum):
 DATASET_CONFIG_PATTERN = r"^[A-Za-z0-9_][-A-Za-z0-9_.+]{0,127}$"
 #: A split name, as datasets allows them (\w+(\.\w+)*).
 SPLIT_PATTERN = r"^[A-Za-z0-9_]+([.][A-Za-z0-9_]+)*$"
+DATASET_PATH_REQUIRED = ("dataset.path is required unless dataset.source is an hf:// repository (then loaded by "
+                         "config and split) or an https:// file")
 DATASET_RULES: list[cel.Rule] = [
-    *_source_rules("dataset"),
+    *_source_rules("dataset", https=True),
     cel.rule(
-        "has(self.path) || (has(self.source) && self.source.startsWith('hf://'))",
-        "dataset.path is required unless dataset.source is an hf:// repository (then loaded by config and split)",
+        "has(self.path) || (has(self.source) && (self.source.startsWith('hf://') || "
+        "self.source.startsWith('https://')))",
+        DATASET_PATH_REQUIRED,
         fieldPath=".path",
     ),
     cel.rule(
@@ -264,9 +314,11 @@ class DatasetSpec(ApiModel):
     source: str | None = Field(
         default=None,
         description="Where the data comes from: pvc://CLAIM/PATH, hf://ORG/NAME@REVISION (a dataset "
-        "repository, fetched once per run), oci://REGISTRY/IMAGE:TAG (an image volume), or "
-        "configmap://NAME (small prompt sets; `path` is then the key). Without it, `path` is on a mounted "
-        "volume. An hf:// repository without `path` is loaded whole, by `config` and `split`, as "
+        "repository, fetched once per run), oci://REGISTRY/IMAGE:TAG (an image volume), configmap://NAME "
+        "(small prompt sets; `path` is then the key), s3://BUCKET/PREFIX (the objects at or under "
+        "PREFIX/`path`, fetched once per run) or https://HOST/PATH (one .jsonl or .parquet file, fetched once "
+        "per run; no `path`). Without it, `path` is on a mounted volume. An hf:// repository without `path` is "
+        "loaded whole, by `config` and `split`, as "
         "load_dataset(\"ORG/NAME\", config, split=split) loads it.",
         max_length=1024,
         pattern=DATASET_SOURCE_PATTERN,
@@ -276,11 +328,15 @@ class DatasetSpec(ApiModel):
         description="Path of a .jsonl or .parquet file, of a directory written by `save_to_disk`, or of a "
         "directory laid out as a hub dataset repository (data files named by split, configs in README.md; "
         "loaded by `config` and `split`): inside `source` (relative) when it is set, else on a mounted volume "
-        "(absolute in the cluster; relative to the run file for `grpo run`). Required unless `source` is hf://.",
+        "(absolute in the cluster; relative to the run file for `grpo run`). Required unless `source` is hf:// or "
+        "https://.",
         min_length=1,
         max_length=1024,
     )
     hub: HubAccess | None = Field(default=None, description="Token and endpoint for an hf:// source.")
+    s3: S3Access | None = Field(
+        default=None, description="Credentials Secret, endpoint and region for an s3:// source."
+    )
     format: DatasetFormat = Field(default=DatasetFormat.AUTO, description="File format; auto by extension, and for a "
                                  "directory: arrow (save_to_disk's) or repository (loaded as load_dataset loads it).")
     prompt_field: str = Field(default="prompt", description="Column that holds the prompt.", max_length=128)
@@ -308,18 +364,20 @@ class DatasetSpec(ApiModel):
 
     @model_validator(mode="after")
     def _source_path(self) -> DatasetSpec:
-        _check_source_path("dataset", self.source, self.path)
+        _check_source_path("dataset", self.source, self.path, self.s3)
         if self.hub is not None and not (self.source or "").startswith("hf://"):
             raise ValueError("dataset.hub applies only to an hf:// dataset.source")
-        if self.path is None and not (self.source or "").startswith("hf://"):
-            raise ValueError("dataset.path is required unless dataset.source is an hf:// repository (then loaded "
-                             "by config and split)")
+        if self.path is None and not (self.source or "").startswith(("hf://", "https://")):
+            raise ValueError(DATASET_PATH_REQUIRED)
         if (self.source or "").startswith("configmap://") and not re.fullmatch(KEY_PATTERN, self.path or ""):
             raise ValueError(f"dataset.path must be a key of the ConfigMap in dataset.source, got {self.path!r}")
         return self
 
 
 INLINE_MODULE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,100}[.]py$"
+#: An https:// reward code source is one module: its URL ends in a module file name.
+HTTPS_MODULE = INLINE_MODULE_PATTERN.strip("^$")
+HTTPS_MODULE_MESSAGE = "an https:// rewardCode.source is one module: its URL must end in a module file name (NAME.py)"
 MAX_INLINE_MODULE_BYTES = 65536
 REWARD_CODE_RULES: list[cel.Rule] = [
     cel.rule("has(self.source) != (has(self.inline) && size(self.inline) > 0)",
@@ -332,6 +390,12 @@ REWARD_CODE_RULES: list[cel.Rule] = [
         fieldPath=".inline",
     ),
     *_source_rules("rewardCode")[:2],
+    *_object_rules("rewardCode", https=True),
+    cel.rule(
+        f"!has(self.source) || !self.source.startsWith('https://') || self.source.matches('/{HTTPS_MODULE}$')",
+        HTTPS_MODULE_MESSAGE,
+        fieldPath=".source",
+    ),
 ]
 
 
@@ -341,12 +405,15 @@ class RewardCodeSpec(ApiModel):
     source: str | None = Field(
         default=None,
         description="configmap://NAME (each key NAME.py is a module), oci://REGISTRY/IMAGE:TAG (an image "
-        "volume; `path` the directory of the modules in it), or pvc://CLAIM/PATH (a directory on a claim).",
+        "volume; `path` the directory of the modules in it), pvc://CLAIM/PATH (a directory on a claim), "
+        "s3://BUCKET/PREFIX (the objects at or under PREFIX/`path`, fetched once per run) or "
+        "https://HOST/PATH/NAME.py (one module, fetched once per run).",
         max_length=1024,
         pattern=CODE_SOURCE_PATTERN,
     )
     path: str | None = Field(
-        default=None, description="Directory of the modules inside an oci:// source (relative).", max_length=1024
+        default=None, description="Directory of the modules inside an oci:// or s3:// source (relative).",
+        max_length=1024,
     )
     inline: dict[str, str] = Field(
         default_factory=dict,
@@ -355,6 +422,9 @@ class RewardCodeSpec(ApiModel):
         max_length=8,
         json_schema_extra={"maxProperties": 8},
     )
+    s3: S3Access | None = Field(
+        default=None, description="Credentials Secret, endpoint and region for an s3:// source."
+    )
 
     model_config = ConfigDict(json_schema_extra=cel.rules(*REWARD_CODE_RULES))
 
@@ -362,7 +432,10 @@ class RewardCodeSpec(ApiModel):
     def _one_kind(self) -> RewardCodeSpec:
         if (self.source is None) == (not self.inline):
             raise ValueError("rewardCode needs exactly one of source or inline")
-        _check_source_path("rewardCode", self.source, self.path)
+        _check_source_path("rewardCode", self.source, self.path, self.s3)
+        if (self.source or "").startswith("https://") and not re.fullmatch(
+                INLINE_MODULE_PATTERN, https_file_name(self.source or "") or ""):
+            raise ValueError(HTTPS_MODULE_MESSAGE)
         for name, text in self.inline.items():
             if not re.fullmatch(INLINE_MODULE_PATTERN, name):
                 raise ValueError(f"rewardCode.inline: {name!r} must be a module file name such as my_rewards.py")

@@ -14,6 +14,7 @@ from pathlib import Path
 from grpo_api.export_protocol import ENV_EXPORT_PASSWORD, ENV_EXPORT_TOKEN, ENV_EXPORT_USERNAME, ExportResult
 from grpo_api.models import Destination
 from grpo_trainer.export.artifact import Artifact, ExportError
+from grpo_trainer.objectstore import classify_s3_error, s3_client
 
 #: HTTP statuses no retry fixes: credentials refused, no such repository or bucket, a request refused.
 PERMANENT_STATUSES = frozenset({400, 401, 403, 404, 405, 409, 422})
@@ -105,39 +106,20 @@ def to_registry(artifact: Artifact, dest: Destination, *, plain_http: bool) -> E
 # ------------------------------------------------------------------------------------------------- s3://
 
 
-def to_bucket(artifact: Artifact, dest: Destination, *, endpoint: str | None, default_folder: str) -> ExportResult:
+def to_bucket(artifact: Artifact, dest: Destination, *, endpoint: str | None, region: str | None,
+              default_folder: str) -> ExportResult:
     """Upload every file under PREFIX (the run's name when empty), the export manifest last, so a reader
     that finds grpo-export.json finds every file it names. Credentials are boto3's own (AWS_* variables
     from the Secret, or the pod's role)."""
-    import boto3
-    from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError
-
     prefix = dest.path or default_folder
-    client = boto3.session.Session().client("s3", endpoint_url=endpoint)  # credentials read now, not cached
+    client = s3_client(endpoint=endpoint, region=region)
     try:
         for file in artifact.all_files:
             client.upload_file(str(file.path), dest.target, f"{prefix}/{file.name}")
-    except (EndpointConnectionError, BotoCoreError) as exc:
-        raise ExportError(f"{dest.uri}: {exc}", permanent=False) from exc
-    except Exception as exc:  # a ClientError, or boto3's S3UploadFailedError around one
-        refusal = next((e for e in _chain(exc) if isinstance(e, ClientError)), None)
-        if refusal is None:
-            raise ExportError(f"{dest.uri}: the upload failed: {exc}", permanent=False) from exc
-        status = refusal.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        code = refusal.response.get("Error", {}).get("Code", "")
-        raise ExportError(f"{dest.uri}: S3 refused the upload ({status} {code}): {refusal}",
-                          permanent=status in PERMANENT_STATUSES) from exc
+    except Exception as exc:  # botocore's errors, or boto3's S3UploadFailedError around one
+        info = classify_s3_error(exc)
+        raise ExportError(f"{dest.uri}: the upload failed: {info}", permanent=info.permanent) from exc
     return _result(artifact, f"s3://{dest.target}/{prefix}")
-
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    """exc and the exceptions it was raised from or while handling."""
-    seen: list[BaseException] = []
-    current: BaseException | None = exc
-    while current is not None and current not in seen:
-        seen.append(current)
-        current = current.__cause__ or current.__context__
-    return seen
 
 
 # ------------------------------------------------------------------------------------------------- hf://

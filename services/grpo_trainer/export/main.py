@@ -54,7 +54,7 @@ def upload(artifact: Artifact, dest: Destination, output: OutputSpec, run_name: 
         case "oci":
             return to_registry(artifact, dest, plain_http=bool(output.plain_http))
         case "s3":
-            return to_bucket(artifact, dest, endpoint=output.endpoint, default_folder=run_name)
+            return to_bucket(artifact, dest, endpoint=output.endpoint, region=output.region, default_folder=run_name)
         case "hf":
             return to_hub(artifact, dest, endpoint=output.endpoint,
                           message=f"GRPORun {run_name}: {output.form} of {artifact.source.name}")

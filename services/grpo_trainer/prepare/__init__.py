@@ -1,7 +1,8 @@
 """`grpo prepare`: the run's initializer, once per run before any server or trainer starts.
 
 1. writes `spec.rewardCode.inline` into `sources.inline_rewards_dir` (`grpo run` only);
-2. fetches every hf:// source (`sources.fetches`) onto the volume, resumably: files already complete
+2. fetches every hf:// source (`sources.fetches`), and every s3:// and https:// one (`sources.object_fetches`,
+   in per-version folders of the same layout: `objects`), onto the volume, resumably: files already complete
    (per huggingface_hub's local-dir metadata) are not downloaded again, a failed run keeps the files
    it finished; each source has a folder of its own (SOURCE_RECORD names the source) and in it one
    folder per commit (FETCH_RECORD names the commit), as huggingface_hub's cache: a moved branch is
@@ -23,9 +24,10 @@ and says so on stdout in the protocol of `grpo_api.prepare_protocol`. A failure 
 a configuration problem, the message names the field) or transient (exit 1: the network or the hub;
 the Job retries and the download resumes).
 
-The package, by job: `main` (the entry, `run_prepare`), `inline_rewards` (1), `hub` (2: the fetch),
-`checks` (3 and 4), `reporting` (the protocol lines, a fetch's progress, the termination message) and
-`errors` (the failures and the table that tells a hub error permanent from transient).
+The package, by job: `main` (the entry, `run_prepare`), `inline_rewards` (1), `hub` and `objects` (2: the hf://,
+s3:// and https:// fetches), `folders` (2: what every fetch keeps on the volume), `checks` (3 and 4),
+`reporting` (the protocol lines, a fetch's progress, the termination message) and `errors` (the failures and
+the table that tells a hub error permanent from transient).
 """
 
 from grpo_trainer.prepare.errors import PrepareFailed

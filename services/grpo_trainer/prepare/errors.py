@@ -5,6 +5,10 @@ from __future__ import annotations
 import errno
 from dataclasses import dataclass
 
+from grpo_trainer.errors import causes
+
+__all__ = ["DownloadStopped", "HubAnswerRefused", "HubErrorInfo", "PrepareFailed", "causes", "classify_hub_error"]
+
 
 class PrepareFailed(Exception):
     """The run cannot start; permanent: no retry fixes it (exit 2), else transient (exit 1)."""
@@ -32,15 +36,6 @@ class HubErrorInfo:
     permanent: bool
     reason: str
     status: int | None = None
-
-
-def causes(exc: BaseException) -> list[BaseException]:
-    chain: list[BaseException] = []
-    current: BaseException | None = exc
-    while current is not None and all(current is not seen for seen in chain):
-        chain.append(current)
-        current = current.__cause__ or current.__context__
-    return chain
 
 
 def classify_hub_error(exc: BaseException) -> HubErrorInfo:

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import re
-import tempfile
 import threading
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from pathlib import Path, PureWindowsPath
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 from urllib.parse import urlsplit
 
-from grpo_api.sources import MODEL_FALLBACK_WEIGHT_PATTERNS, MODEL_WEIGHT_PATTERNS, HubFetch, hub_snapshot_dir
-from grpo_trainer.prepare.errors import DownloadStopped, HubAnswerRefused, PrepareFailed, causes, classify_hub_error
+from grpo_api.sources import MODEL_FALLBACK_WEIGHT_PATTERNS, MODEL_WEIGHT_PATTERNS, HubFetch
+from grpo_trainer.prepare import folders
+from grpo_trainer.prepare.errors import HubAnswerRefused, PrepareFailed, classify_hub_error
+from grpo_trainer.prepare.folders import SourceFolder
 from grpo_trainer.prepare.reporting import FetchProgress, Reporter
 
 if TYPE_CHECKING:
@@ -24,12 +22,6 @@ if TYPE_CHECKING:
 
 #: Files downloaded in parallel per repository (huggingface_hub's snapshot_download uses 8 too).
 FETCH_WORKERS = 8
-#: In a source's folder (hub_dir): the source it holds, written before its first download, and the commit of its
-#: latest complete fetch (lets a later run start while the hub is unreachable).
-SOURCE_RECORD = ".cache/grpo-source.json"
-#: In a commit's folder (hub_snapshot_dir): the source and commit it holds, written before its first download,
-#: and, once complete, its files.
-FETCH_RECORD = ".cache/grpo-fetch.json"
 #: Read timeout of the file-list call (huggingface_hub sets none: an endpoint that never answers would hang the run).
 HUB_API_TIMEOUT_S = 60.0
 #: The whole file-list call, however its answer trickles in: the read timeout bounds each read only, so an
@@ -110,111 +102,22 @@ def _guard_token(token: str, endpoint: str) -> None:
 
 
 
-def _write_json(path: Path, record: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return record if isinstance(record, dict) else {}
-
-
-def _source_record(fetch: HubFetch) -> Path:
-    return Path(fetch.local_dir) / SOURCE_RECORD
+def _folder(fetch: HubFetch) -> SourceFolder:
+    return SourceFolder(Path(fetch.local_dir), fetch.key.to_json(), _label(fetch))
 
 
 def _snapshot(fetch: HubFetch, commit: str) -> Path:
-    return Path(hub_snapshot_dir(fetch.local_dir, commit))
-
-
-def _snapshot_record(fetch: HubFetch, commit: str) -> Path:
-    return _snapshot(fetch, commit) / FETCH_RECORD
-
-
-def _refuse_another_source(fetch: HubFetch, record_path: Path, wanted: dict[str, Any]) -> None:
-    """Refuse (permanent) a folder whose record names another source or commit than `wanted`."""
-    record = _read_json(record_path)
-    if not record:
-        return
-    recorded = {name: record.get(name) for name in wanted}
-    if recorded != wanted:
-        other = ", ".join(f"{name} {value!r}" for name, value in recorded.items())
-        raise PrepareFailed(
-            f"{_label(fetch)}: {record_path.parent.parent} holds a fetch of another source ({other}; its record "
-            f"is {record_path}); refusing to fetch over it. Each hub source has a folder of its own: remove this "
-            "one if nothing uses it",
-            permanent=True,
-        )
+    return _folder(fetch).snapshot(commit)
 
 
 def check_folder_owner(fetch: HubFetch) -> None:
-    """Refuse (permanent) to fetch into a folder whose record names another source: every source has a folder of
-    its own (`grpo_api.sources.hub_dir`), so such a record means the folder was copied or renamed by hand, or two
-    sources were given one folder; fetching over it would change files another run may be serving."""
-    _refuse_another_source(fetch, _source_record(fetch), fetch.key.to_json())
-
-
-def check_snapshot_owner(fetch: HubFetch, commit: str) -> None:
-    """The same for the folder of one commit, whose record also names the commit."""
-    _refuse_another_source(fetch, _snapshot_record(fetch, commit), {**fetch.key.to_json(), "commit": commit})
-
-
-def _snapshot_complete(fetch: HubFetch, commit: str) -> bool:
-    record = _read_json(_snapshot_record(fetch, commit))
-    if {name: record.get(name) for name in (*fetch.key.to_json(), "commit")} != {**fetch.key.to_json(),
-                                                                                 "commit": commit}:
-        return False
-    files, snapshot = record.get("files"), _snapshot(fetch, commit)
-    return isinstance(files, list) and all(isinstance(f, str) and (snapshot / f).is_file() for f in files)
+    """Refuse (permanent) to fetch into a folder whose record names another source (folders.check_folder_owner)."""
+    folders.check_folder_owner(_folder(fetch))
 
 
 def complete_copy(fetch: HubFetch) -> str | None:
     """The commit of the latest complete earlier fetch of this source, if its files are all still there."""
-    record = _read_json(_source_record(fetch))
-    if {name: record.get(name) for name in fetch.key.to_json()} != fetch.key.to_json():
-        return None
-    commit = record.get("commit")
-    if not isinstance(commit, str) or not _COMMIT.fullmatch(commit):
-        return None
-    return commit if _snapshot_complete(fetch, commit) else None
-
-
-def _record_source(fetch: HubFetch, latest_complete: str | None) -> None:
-    """The source folder's record: its source, and the commit of its latest complete fetch (None: none yet), as
-    huggingface_hub's refs/<branch> names the commit a branch had."""
-    _write_json(_source_record(fetch), {**fetch.key.to_json(), "commit": latest_complete})
-
-
-def _record_snapshot(fetch: HubFetch, commit: str, files: list[str] | None) -> None:
-    """The commit folder's record names the source and commit from the first download on; `files` None: not
-    complete yet."""
-    _write_json(_snapshot_record(fetch, commit), {**fetch.key.to_json(), "commit": commit, "files": files})
-
-
-def _claim_snapshot(fetch: HubFetch, commit: str) -> Path:
-    """Create the commit's folder and record it (source, then commit) before its first file; returns it."""
-    snapshot = _snapshot(fetch, commit)
-    try:
-        snapshot.mkdir(parents=True, exist_ok=True)
-        if not _source_record(fetch).exists():
-            _record_source(fetch, None)
-        _record_snapshot(fetch, commit, None)
-    except OSError as exc:
-        raise PrepareFailed(f"{_label(fetch)}: cannot create {snapshot} or its record: {exc}",
-                            permanent=True) from exc
-    return snapshot
+    return folders.complete_copy(_folder(fetch))
 
 
 def _download_metadata(local_dir: Path, name: str) -> str | None:
@@ -246,20 +149,7 @@ def _listed_files(
         sizes[name] = size
         known = [v for v in (size, lfs_size) if v is not None]
         limits[name] = max(known) if known else None
-    folders = {"/".join(name.split("/")[:i]) for name in sizes for i in range(1, name.count("/") + 1)}
-    for name in sizes:
-        parts = name.split("/")
-        if (not name or name.startswith("/") or "\\" in name or ".." in parts
-                or any(PureWindowsPath(part).drive for part in parts)):
-            raise PrepareFailed(f"{label}: the endpoint {endpoint} lists a file outside the repository: {name!r}",
-                                permanent=True)
-        why = ("its name has a NUL byte" if "\0" in name
-               else "it is in .cache/, where the local copy keeps its records" if parts[0] == ".cache"
-               else "a file and a folder cannot have one name" if name in folders
-               else None)
-        if why:
-            raise PrepareFailed(f"{label}: the endpoint {endpoint} lists a file no repository can have ({why}): "
-                                f"{name!r}", permanent=True)
+    folders.refuse_unsafe_names(label, endpoint, list(sizes), "repository")
     return sizes, limits
 
 
@@ -355,19 +245,16 @@ def fetch_repository(fetch: HubFetch, reporter: Reporter, *, workers: int = FETC
     sizes = {name: listed[name] for name in selected}
     limits = {name: listed_limits[name] for name in selected}
     progress = FetchProgress(label, sizes, reporter, limits=limits)
-    check_snapshot_owner(fetch, commit)
-    if _snapshot_complete(fetch, commit):  # a complete commit's files are never touched again: runs read them
-        _record_latest(fetch, commit, reporter)
+    folder = _folder(fetch)
+    folders.check_snapshot_owner(folder, commit)
+    if folders.snapshot_complete(folder, commit):  # a complete commit's files are never touched again: runs read them
+        folders.record_latest(folder, commit, reporter)
         reporter.progress(f"{label}: ready in {_snapshot(fetch, commit)} (commit {commit[:12]}, fetched before)")
         return commit
     reporter.progress(progress.message())
-    local_dir = _claim_snapshot(fetch, commit)
+    local_dir = folders.claim_snapshot(folder, commit)
     _download_files(fetch, local_dir, commit, progress, token, workers)
-    try:
-        _record_snapshot(fetch, commit, list(sizes))
-    except OSError as exc:
-        reporter.note(f"{label}: cannot record the complete fetch in {local_dir}: {exc}")
-    _record_latest(fetch, commit, reporter)
+    folders.record_complete(folder, commit, list(sizes), reporter)
     reporter.progress(f"{label}: ready in {local_dir} (commit {commit[:12]}, {len(sizes)} files)")
     return commit
 
@@ -403,28 +290,5 @@ def _download_files(fetch: HubFetch, local_dir: Path, commit: str, progress: Fet
                                    "volume is of another commit", permanent=False)
         progress.finish(name)
 
-    errors: list[tuple[str, BaseException]] = []
-    if sizes:
-        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(sizes))), thread_name_prefix="fetch") as pool:
-            futures: dict[Future[None], str] = {pool.submit(download, name): name for name in sizes}
-            _, pending = wait(futures, return_when=FIRST_EXCEPTION)
-            # One failed: start no new file, and stop those in flight at their next chunk (what they have is kept
-            # for the next attempt), so the failure is told now, not once the largest file is done.
-            progress.stop()
-            for future in pending:
-                future.cancel()
-            wait(futures)
-            errors = [(name, error) for f, name in futures.items()
-                      if not f.cancelled() and (error := f.exception()) is not None
-                      and not any(isinstance(cause, DownloadStopped) for cause in causes(error))]
-    if errors:
-        failures = [(hub_failure(fetch, exc, name), exc) for name, exc in errors]
-        failure, cause = next(((f, e) for f, e in failures if f.permanent), failures[0])
-        raise failure from cause
-
-
-def _record_latest(fetch: HubFetch, commit: str, reporter: Reporter) -> None:
-    try:
-        _record_source(fetch, commit)
-    except OSError as exc:
-        reporter.note(f"{_label(fetch)}: cannot record the latest complete fetch in {fetch.local_dir}: {exc}")
+    folders.download_all(list(sizes), download, progress, workers,
+                         lambda name, exc: hub_failure(fetch, exc, name))

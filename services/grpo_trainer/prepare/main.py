@@ -10,6 +10,7 @@ from grpo_trainer.prepare.checks import check_image, check_sources, check_warm_a
 from grpo_trainer.prepare.errors import PrepareFailed
 from grpo_trainer.prepare.hub import fetch_repository
 from grpo_trainer.prepare.inline_rewards import write_inline_rewards
+from grpo_trainer.prepare.objects import fetch_object_source
 from grpo_trainer.prepare.reporting import PrepareResult, Reporter, write_termination_message
 
 
@@ -18,6 +19,7 @@ def prepare(cfg: RunConfig, reporter: Reporter) -> PrepareResult:
     check_image(cfg)
     write_inline_rewards(cfg, reporter)
     commits = {fetch.local_dir: fetch_repository(fetch, reporter) for fetch in cfg.sources.fetches}
+    commits |= {fetch.local_dir: fetch_object_source(fetch, reporter) for fetch in cfg.sources.object_fetches}
     if commits:
         try:
             cfg.record_fetched_commits(commits)
