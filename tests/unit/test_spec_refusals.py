@@ -78,7 +78,8 @@ def test_ordinary_pod_annotations_are_kept() -> None:
 #: The variables the operator sets in a pod from the run itself, with the server's token variable that wins
 #: over its token file. HF_HOME, HF_HUB_DISABLE_TELEMETRY and GRPO_MASTER_PORT a spec may override on purpose.
 OPERATOR_ENV = ["GRPO_RUN_CONFIG", "GRPO_ATTEMPT", "GRPO_TOKEN_FILE", "GRPO_TOKEN", "GRPO_SERVER_URL",
-                "GRPO_MASTER_ADDR", "GRPO_TRAINER_ADDRESS", "GRPO_HF_TOKEN_MODEL", "GRPO_HF_TOKEN_DATASET"]
+                "GRPO_MASTER_ADDR", "GRPO_TRAINER_ADDRESS", "GRPO_HF_TOKEN_MODEL", "GRPO_HF_TOKEN_DATASET",
+                "GRPO_HF_TOKEN_ADAPTER", "GRPO_S3_MODEL_SECRET_ACCESS_KEY", "GRPO_S3_ANY_NAME"]
 OVERRIDABLE_ENV = {"HF_HOME", "HF_HUB_DISABLE_TELEMETRY", "GRPO_MASTER_PORT"}
 
 
@@ -97,9 +98,16 @@ def test_the_reserved_env_names_cover_every_variable_the_operator_sets() -> None
         storage={"size": "1Gi", "modelCache": {"existingClaim": "weights"}},
         trainer={"numNodes": 2, "tuning": "full"},
     )
-    pods = [b.build_server_deployment(run, 1, 1), b.build_trainer_job(run, 1), b.build_initializer_job(run)]
+    lora = make_run(   # the sources full tuning cannot have: a warm-start adapter and s3:// with credentials
+        model={"name": "m", "source": "s3://models/m", "s3": {"credentialsSecret": "keys"},
+               "adapter": {"source": "hf://org/a", "hub": {"tokenSecretRef": {"name": "hf", "key": "t"}}}},
+        dataset={"source": "s3://sets/d", "path": "d.jsonl", "s3": {"credentialsSecret": "keys"}},
+    )
+    pods = [build(r) for r in (run, lora) for build in (
+        lambda r: b.build_server_deployment(r, 1, 1), lambda r: b.build_trainer_job(r, 1), b.build_initializer_job)]
     ours = {e["name"] for pod in pods for e in pod["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert ours - OVERRIDABLE_ENV <= set(OPERATOR_ENV)
+    assert {"GRPO_HF_TOKEN_ADAPTER", "GRPO_S3_MODEL_SECRET_ACCESS_KEY", "GRPO_S3_DATASET_ACCESS_KEY_ID"} <= ours
+    assert {n for n in ours - OVERRIDABLE_ENV if not n.startswith("GRPO_S3_")} <= set(OPERATOR_ENV)
 
 
 def test_env_of_other_names_may_still_override_ours() -> None:

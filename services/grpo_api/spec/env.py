@@ -85,9 +85,14 @@ class EnvVarSource(ApiModel):
 #: env may not replace them. The other variables of ours it may, on purpose (HF_HOME, GRPO_MASTER_PORT).
 OPERATOR_ENV: tuple[str, ...] = (
     "GRPO_RUN_CONFIG", "GRPO_ATTEMPT", "GRPO_TOKEN_FILE", "GRPO_TOKEN", "GRPO_SERVER_URL", "GRPO_MASTER_ADDR",
-    "GRPO_TRAINER_ADDRESS", "GRPO_HF_TOKEN_MODEL", "GRPO_HF_TOKEN_DATASET",
+    "GRPO_TRAINER_ADDRESS", "GRPO_HF_TOKEN_MODEL", "GRPO_HF_TOKEN_DATASET", "GRPO_HF_TOKEN_ADAPTER",
 )
-OPERATOR_ENV_MESSAGE = f"is set by the operator ({', '.join(OPERATOR_ENV)}): env may not replace it"
+#: ...and every variable of this prefix: an s3:// source's credentials, one per source and key
+#: (grpo_api.sources.S3_CREDENTIAL_PREFIX).
+OPERATOR_ENV_PREFIX = "GRPO_S3_"
+OPERATOR_ENV_MESSAGE = (
+    f"is set by the operator ({', '.join(OPERATOR_ENV)}, {OPERATOR_ENV_PREFIX}*): env may not replace it"
+)
 #: Variables that hold a credential the trainer's libraries read (Hugging Face, the experiment trackers, the
 #: object stores MLflow keeps artifacts in): a spec may take them only from a Secret or the like (valueFrom),
 #: never as a literal value, which anyone who may read the GRPORun (and its run-config) would see.
@@ -101,8 +106,8 @@ CREDENTIAL_ENV_MESSAGE = (
 )
 ENV_RULES: list[cel.Rule] = [
     cel.rule("!(has(self.value) && has(self.valueFrom))", "set value or valueFrom, not both"),
-    cel.rule("!(self.name in [" + ", ".join(f"'{n}'" for n in OPERATOR_ENV) + "])", f"name {OPERATOR_ENV_MESSAGE}",
-             fieldPath=".name"),
+    cel.rule("!(self.name in [" + ", ".join(f"'{n}'" for n in OPERATOR_ENV) + "])"
+             f" && !self.name.startsWith('{OPERATOR_ENV_PREFIX}')", f"name {OPERATOR_ENV_MESSAGE}", fieldPath=".name"),
     cel.rule("!has(self.value) || !(self.name in [" + ", ".join(f"'{n}'" for n in CREDENTIAL_ENV) + "])",
              f"this variable {CREDENTIAL_ENV_MESSAGE}", fieldPath=".value"),
 ]
@@ -113,7 +118,7 @@ class EnvVar(ApiModel):
     a ConfigMap or the pod (valueFrom), as in a Pod spec."""
 
     name: str = Field(
-        description=f"Variable name; not one the operator sets ({', '.join(OPERATOR_ENV)}).",
+        description=f"Variable name; not one the operator sets ({', '.join(OPERATOR_ENV)}, {OPERATOR_ENV_PREFIX}*).",
         min_length=1, max_length=256, pattern=ENV_NAME_PATTERN,
     )
     value: str | None = Field(default=None, description="Literal value.", max_length=4096)
@@ -126,7 +131,7 @@ class EnvVar(ApiModel):
     @field_validator("name")
     @classmethod
     def _not_ours(cls, value: str) -> str:
-        if value in OPERATOR_ENV:
+        if value in OPERATOR_ENV or value.startswith(OPERATOR_ENV_PREFIX):
             raise ValueError(f"{value} {OPERATOR_ENV_MESSAGE}")
         return value
 
