@@ -173,11 +173,25 @@ class Images:
 
 
 @dataclass(frozen=True)
+class Admitted:
+    """What a queue's admission adds to the pods of one of the run's pod sets, merged into their template as Kueue
+    merges it into a Job's (jobframework's podset.Merge): the node labels and tolerations of the ResourceFlavors
+    Kueue assigned, and the labels, annotations, node selector and tolerations its admission checks ask for."""
+
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: tuple[dict[str, Any], ...] = ()
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Placement:
-    """What the operator learnt about the run's claims before building its pods."""
+    """What the operator learnt about the run's claims, and its queue's admission, before building its pods."""
 
     #: Server and trainer must share a node: a claim both mount can be attached to one node only.
     same_node: bool = False
+    #: Where Kueue admitted the pods being built (None: no queue admits the run).
+    admitted: Admitted | None = None
 
 
 def source_layout(run: GRPORun) -> ClusterLayout:
@@ -572,6 +586,7 @@ def _pod_spec(
     volumes: list[dict[str, Any]],
     restart_policy: str,
     affinity: dict[str, Any] | None = None,
+    admitted: Admitted | None = None,
 ) -> dict[str, Any]:
     scheduling = run.spec.scheduling
     pod: dict[str, Any] = {
@@ -588,10 +603,14 @@ def _pod_spec(
         "containers": [container],
         "volumes": volumes,
     }
-    if scheduling.node_selector:
-        pod["nodeSelector"] = dict(scheduling.node_selector)
-    if scheduling.tolerations:
-        pod["tolerations"] = [t.to_wire() for t in scheduling.tolerations]
+    node_selector = _merged(dict(scheduling.node_selector), admitted.node_selector if admitted else {},
+                            "spec.scheduling.nodeSelector")
+    if node_selector:
+        pod["nodeSelector"] = node_selector
+    tolerations = [t.to_wire() for t in scheduling.tolerations]
+    tolerations += [t for t in (admitted.tolerations if admitted else ()) if t not in tolerations]
+    if tolerations:
+        pod["tolerations"] = tolerations
     merged = _merge_affinity(scheduling.affinity, affinity or {})
     if merged:
         pod["affinity"] = merged
@@ -604,6 +623,21 @@ def _pod_spec(
     if scheduling.image_pull_secrets:
         pod["imagePullSecrets"] = [{"name": name} for name in scheduling.image_pull_secrets]
     return pod
+
+
+def section_name(section: ServerSpec | TrainerSpec) -> str:
+    """The spec field of a pod section (for messages that name a field)."""
+    return "server" if isinstance(section, ServerSpec) else "trainer"
+
+
+def _merged(ours: dict[str, str], admitted: dict[str, str], field_name: str) -> dict[str, str]:
+    """Ours plus what the admission adds; a key both set to different values cannot be merged (Kueue refuses to
+    start a Job so: podset.Merge), so the run fails naming the field."""
+    for key, value in admitted.items():
+        if ours.get(key, value) != value:
+            raise InvalidRunError(f"{field_name} has {key}={ours[key]}, which Kueue's admission of the run sets to "
+                                  f"{key}={value} (its ResourceFlavor or an admission check): they cannot both hold")
+    return {**ours, **admitted}
 
 
 def _merge_affinity(user: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
@@ -633,12 +667,15 @@ def _same_node_as_server(run: GRPORun) -> dict[str, Any]:
 
 
 def _template_metadata(
-    run: GRPORun, component: str, section: ServerSpec | TrainerSpec, attempt: int | None
+    run: GRPORun, component: str, section: ServerSpec | TrainerSpec, attempt: int | None,
+    admitted: Admitted | None = None,
 ) -> dict[str, Any]:
-    """The pod template's labels and annotations: the user's extras, ours on top."""
+    """The pod template's labels and annotations: the user's extras, ours on top, then what the admission adds."""
     meta: dict[str, Any] = {
-        "labels": {**section.pod_labels, **labels(run, component)},
-        "annotations": dict(section.pod_annotations),
+        "labels": _merged({**section.pod_labels, **labels(run, component)}, admitted.labels if admitted else {},
+                          f"spec.{section_name(section)}.podLabels"),
+        "annotations": _merged(dict(section.pod_annotations), admitted.annotations if admitted else {},
+                               f"spec.{section_name(section)}.podAnnotations"),
     }
     if attempt is not None:
         meta["labels"][ATTEMPT_LABEL] = str(attempt)
@@ -705,8 +742,9 @@ def build_server_deployment(
             "progressDeadlineSeconds": max(600, run.spec.run_policy.server_ready_timeout_seconds + 60),
             "selector": {"matchLabels": selector(run, SERVER)},
             "template": {
-                "metadata": _template_metadata(run, SERVER, server, attempt),
-                "spec": _pod_spec(run, container, volumes, "Always", affinity=affinity),
+                "metadata": _template_metadata(run, SERVER, server, attempt, placement.admitted if placement else None),
+                "spec": _pod_spec(run, container, volumes, "Always", affinity=affinity,
+                                  admitted=placement.admitted if placement else None),
             },
         },
     }
@@ -772,7 +810,7 @@ def build_trainer_job(
     # Colocate mode runs vLLM inside the trainer, so it gets the server's shared-memory size.
     volumes = _volumes(run, _extra_volumes(trainer), shm_size=run.spec.effective_server.shm_size, token=server_mode)
     affinity = _same_node_as_server(run) if server_mode and placement.same_node else None
-    pod = _pod_spec(run, container, volumes, "Never", affinity)
+    pod = _pod_spec(run, container, volumes, "Never", affinity, placement.admitted)
     spec: dict[str, Any] = {"backoffLimit": 0}
     if several:
         pod["subdomain"] = child_names(run).trainer_rendezvous
@@ -794,7 +832,7 @@ def build_trainer_job(
             ]
         },
         "template": {
-            "metadata": _template_metadata(run, TRAINER, trainer, attempt),
+            "metadata": _template_metadata(run, TRAINER, trainer, attempt, placement.admitted),
             "spec": pod,
         },
     }
@@ -815,7 +853,9 @@ def build_trainer_job(
 # ------------------------------------------------------------------------------------- initializer
 
 
-def build_initializer_job(run: GRPORun, images: Images | None = None) -> dict[str, Any]:
+def build_initializer_job(
+    run: GRPORun, images: Images | None = None, admitted: Admitted | None = None
+) -> dict[str, Any]:
     """The run's initializer: fetches its hf://, s3:// and https:// sources onto its volume and checks that the
     model, the dataset and every reward function load, once per run, before any server.
 
@@ -823,7 +863,8 @@ def build_initializer_job(run: GRPORun, images: Images | None = None) -> dict[st
     the fetch resumes; a permanent one (exit code 2: not found, a missing module) fails the Job at
     once (podFailurePolicy). It runs in the trainer image with the trainer's env, volumes and pod
     settings (a proxy or a CA bundle for a mirror applies to both), and reads hub tokens and s3://
-    credentials that only it is given.
+    credentials that only it is given. A run Kueue admits runs it where the trainer's pod set was admitted
+    (`admitted`): it is no pod set of its own, running before the trainer within that pod set's reservation.
     """
     trainer = run.spec.trainer
     init = run.spec.initializer
@@ -862,8 +903,8 @@ def build_initializer_job(run: GRPORun, images: Images | None = None) -> dict[st
             ]
         },
         "template": {
-            "metadata": _template_metadata(run, INITIALIZER, trainer, None),
-            "spec": _pod_spec(run, container, volumes, "Never"),
+            "metadata": _template_metadata(run, INITIALIZER, trainer, None, admitted),
+            "spec": _pod_spec(run, container, volumes, "Never", admitted=admitted),
         },
     }
     if init.active_deadline_seconds is not None:
@@ -879,7 +920,9 @@ def build_initializer_job(run: GRPORun, images: Images | None = None) -> dict[st
 # ------------------------------------------------------------------------------------------ export step
 
 
-def build_exporter_job(run: GRPORun, images: Images | None = None) -> dict[str, Any] | None:
+def build_exporter_job(
+    run: GRPORun, images: Images | None = None, admitted: Admitted | None = None
+) -> dict[str, Any] | None:
     """The run's export step (spec.output), once its trainer succeeded: `grpo export` uploads the final
     adapter, or the base model with it merged in, and leaves where it went as its termination message.
 
@@ -887,7 +930,8 @@ def build_exporter_job(run: GRPORun, images: Images | None = None) -> dict[str, 
     trainer's env and volumes, and the destination's credentials from spec.output.credentialsSecret, which no
     other container of the run gets (the trainer runs user reward code). A transient failure is retried by the
     Job; a permanent one (exit code 2) fails it at once. A merge gets the trainer's resources, an adapter the
-    initializer's.
+    initializer's. A run Kueue admits runs it where the trainer's pod set was admitted (`admitted`), after the
+    trainer, within that pod set's reservation.
     """
     output = run.spec.output
     if output is None:
@@ -934,8 +978,8 @@ def build_exporter_job(run: GRPORun, images: Images | None = None) -> dict[str, 
             ]
         },
         "template": {
-            "metadata": _template_metadata(run, EXPORTER, trainer, None),
-            "spec": _pod_spec(run, container, volumes, "Never"),
+            "metadata": _template_metadata(run, EXPORTER, trainer, None, admitted),
+            "spec": _pod_spec(run, container, volumes, "Never", admitted=admitted),
         },
     }
     return {

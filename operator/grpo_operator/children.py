@@ -58,6 +58,8 @@ class PodInfo:
     #: Why it was preempted, evicted or deleted from outside (its DisruptionTarget condition's reason and
     #: message), "" when it was not.
     disruption: str = ""
+    #: It ended (phase Succeeded or Failed): it holds no resources any more.
+    done: bool = False
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,15 @@ class Children:
         strays = list(self.pods) if self.deployment is None else []
         strays += [p for p in (*self.trainer_pods, *self.initializer_pods) if p.job_name not in ours]
         return [describe_leftover("Pod", p.name, None, p.terminating) for p in strays]
+
+    def pods_gone(self, initializer: str) -> bool:
+        """None of the server's or the trainer's pods is left or running, nor is any Job but the initializer
+        (an Ended one's pods may stay): what a queue admitted the run for is free again."""
+        if self.deployment is not None and self.deployment.replicas > 0:
+            return False
+        if any(not p.done for p in (*self.pods, *self.trainer_pods)):
+            return False
+        return not any(j.state == TrainerState.ACTIVE for j in self.jobs if j.name != initializer)
 
     def job_pods(self, job_name: str) -> list[PodInfo]:
         """The pods of a trainer or initializer Job, newest first."""
@@ -309,6 +320,7 @@ def pod_info(body: dict[str, Any]) -> PodInfo:
         running=any("running" in (c.get("state") or {}) for c in status.get("containerStatuses") or []),
         ip=str(status.get("podIP") or ""),
         disruption=disruption(conditions),
+        done=status.get("phase") in ("Succeeded", "Failed"),
     )
 
 

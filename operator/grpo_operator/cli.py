@@ -139,6 +139,14 @@ def _labels(ctx: click.Context, param: click.Parameter, value: str | None) -> di
     metavar="IMAGE",
     help="Trainer and initializer image of runs whose spec.trainer.image is unset.",
 )
+@click.option(
+    "--kueue/--no-kueue",
+    default=False,
+    show_default=True,
+    envvar="GRPO_KUEUE",
+    help="Runs labelled kueue.x-k8s.io/queue-name wait for Kueue (v0.17+) to admit their server and trainer as one "
+    "Workload (needs the chart's kueue.enabled RBAC); without it such a run is refused, naming the label.",
+)
 @click.option("--verbose", is_flag=True, help="Log more.")
 @click.option("--debug", is_flag=True, help="Log everything kopf does.")
 def operator(
@@ -158,6 +166,7 @@ def operator(
     scraper_pod_selector: dict[str, str],
     server_image: str,
     trainer_image: str,
+    kueue: bool,
     verbose: bool,
     debug: bool,
 ) -> None:
@@ -185,6 +194,7 @@ def operator(
         if network_policy
         else None,
         images=Images(server=server_image, trainer=trainer_image),
+        kueue=kueue,
     )
     kopf.configure(verbose=verbose, debug=debug)
     # The client logs whole response bodies at DEBUG: far too much even for --debug.

@@ -18,12 +18,16 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
 from grpo_api.models import API_VERSION, GROUP, KIND, PLURAL, VERSION
-from grpo_operator import metrics
+from grpo_operator import kueue, metrics
 
 MERGE_PATCH = "application/merge-patch+json"
 FIELD_MANAGER = "grpo-operator"
 #: Requests that hang must not stall a reconcile thread for long.
 REQUEST_TIMEOUT_SECONDS = 15
+
+
+class NotServedError(Exception):
+    """The API server serves no such resource (its CRD is not installed)."""
 
 
 def load_api_client() -> client.ApiClient:
@@ -62,8 +66,13 @@ class KubeClient:
             "Deployment": self.apps.create_namespaced_deployment,
             "Job": self.batch.create_namespaced_job,
             "NetworkPolicy": self.networking.create_namespaced_network_policy,
+            "Workload": self._create_workload,
         }
         return creators[kind]
+
+    def _create_workload(self, namespace: str, body: dict[str, Any], **kwargs: Any) -> Any:
+        return self.custom.create_namespaced_custom_object(
+            kueue.GROUP, kueue.VERSION, namespace, kueue.WORKLOADS, body, **kwargs)
 
     def create_if_absent(self, obj: dict[str, Any]) -> bool:
         """Create the object; False when it already existed (which is fine: names are deterministic)."""
@@ -114,6 +123,8 @@ class KubeClient:
             "Job": self.batch.read_namespaced_job,
             "NetworkPolicy": self.networking.read_namespaced_network_policy,
         }
+        if kind == "Workload":
+            return self.read_kueue(kueue.WORKLOADS, name, namespace)
         try:
             return self._call("get", kind, readers[kind], name, namespace)
         except ApiException as exc:
@@ -138,6 +149,35 @@ class KubeClient:
             if exc.status == 404:
                 return None
             raise
+
+    # -- Kueue ------------------------------------------------------------------------------------
+
+    def read_kueue(self, plural: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        """A Kueue object (namespaced, or cluster-scoped without a namespace), None when it does not exist;
+        NotServedError when the API server serves no such resource (Kueue is not installed)."""
+        try:
+            if namespace is None:
+                return self._call("get", plural, self.custom.get_cluster_custom_object,
+                                  kueue.GROUP, kueue.VERSION, plural, name)
+            return self._call("get", plural, self.custom.get_namespaced_custom_object,
+                              kueue.GROUP, kueue.VERSION, namespace, plural, name)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            try:
+                details = (json.loads(exc.body or "{}") or {}).get("details") or {}
+            except (TypeError, ValueError):
+                details = {}
+            if details.get("name"):  # the object is missing, not its kind
+                return None
+            raise NotServedError(f"{plural}.{kueue.GROUP}/{kueue.VERSION}") from exc
+
+    def patch_workload(self, namespace: str, name: str, patch: dict[str, Any], *, status: bool = False) -> None:
+        """Merge-patch a Workload (or its status); a resourceVersion in the patch makes it conditional."""
+        patcher = (self.custom.patch_namespaced_custom_object_status if status
+                   else self.custom.patch_namespaced_custom_object)
+        self._call("patch", "Workload/status" if status else "Workload", patcher, kueue.GROUP, kueue.VERSION,
+                   namespace, kueue.WORKLOADS, name, patch, field_manager=FIELD_MANAGER, _content_type=MERGE_PATCH)
 
     def pod_log_tail(self, namespace: str, name: str, lines: int = 20, limit_bytes: int = 16384) -> str:
         """The last lines of a pod's log ("" when the pod or its log is gone)."""

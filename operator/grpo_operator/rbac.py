@@ -1,8 +1,9 @@
 """The Kubernetes permissions the operator needs, and no more: one list, rendered for the chart.
 
 `APPLICATION_RULES` are what the reconciler does to runs and their children; `FRAMEWORK_RULES`
-are what kopf needs to watch (CRD discovery, namespaces for cluster-wide or glob watching).
-The control-plane tests run the operator under exactly these rules.
+are what kopf needs to watch (CRD discovery, namespaces for cluster-wide or glob watching);
+`KUEUE_RULES` and `KUEUE_CLUSTER_RULES` are added with Kueue (`grpo operator --kueue`, the chart's
+kueue.enabled). The control-plane tests run the operator under exactly these rules.
 """
 
 from __future__ import annotations
@@ -58,6 +59,20 @@ FRAMEWORK_RULES: list[PolicyRule] = [
     {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
 ]
 
+#: With Kueue: the Workload of each run Kueue admits (read every reconcile of such a run, created once, patched for
+#: runPolicy.suspend and, in its status, when an eviction is acknowledged and when the run ended; deleted with the run
+#: by GC), and the LocalQueue its label names (read while it waits). Neither is listed nor watched.
+KUEUE_RULES: list[PolicyRule] = [
+    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"], "verbs": ["get", "create", "patch"]},
+    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads/status"], "verbs": ["patch"]},
+    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["localqueues"], "verbs": ["get"]},
+]
+#: With Kueue, cluster-scoped: the WorkloadPriorityClass a run's label names (its value is the Workload's priority)
+#: and the ResourceFlavors Kueue assigns (their node labels and tolerations go to the run's pods), read by name.
+KUEUE_CLUSTER_RULES: list[PolicyRule] = [
+    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloadpriorityclasses", "resourceflavors"], "verbs": ["get"]},
+]
+
 RULES: list[PolicyRule] = APPLICATION_RULES + FRAMEWORK_RULES
 
 
@@ -66,18 +81,22 @@ def _labels() -> dict[str, str]:
 
 
 def render_rbac(
-    name: str, service_account: str, service_account_namespace: str, namespaces: list[str] | None = None
+    name: str, service_account: str, service_account_namespace: str, namespaces: list[str] | None = None,
+    *, kueue: bool = False,
 ) -> list[dict[str, Any]]:
     """ClusterRole + ClusterRoleBinding (cluster-wide), or per-namespace Roles + RoleBindings for the
-    application rules plus a ClusterRole + binding for the cluster-scoped framework rules."""
+    application rules plus a ClusterRole + binding for the cluster-scoped framework rules; with `kueue`, Kueue's
+    rules beside them."""
     subject = {"kind": "ServiceAccount", "name": service_account, "namespace": service_account_namespace}
+    namespaced = APPLICATION_RULES + (KUEUE_RULES if kueue else [])
+    cluster = FRAMEWORK_RULES + (KUEUE_CLUSTER_RULES if kueue else [])
     if not namespaces:
         return [
             {
                 "apiVersion": "rbac.authorization.k8s.io/v1",
                 "kind": "ClusterRole",
                 "metadata": {"name": name, "labels": _labels()},
-                "rules": RULES,
+                "rules": namespaced + cluster,
             },
             {
                 "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -92,7 +111,7 @@ def render_rbac(
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "ClusterRole",
             "metadata": {"name": name, "labels": _labels()},
-            "rules": FRAMEWORK_RULES,
+            "rules": cluster,
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -108,7 +127,7 @@ def render_rbac(
                 "apiVersion": "rbac.authorization.k8s.io/v1",
                 "kind": "Role",
                 "metadata": {"name": name, "namespace": namespace, "labels": _labels()},
-                "rules": APPLICATION_RULES,
+                "rules": namespaced,
             }
         )
         objects.append(

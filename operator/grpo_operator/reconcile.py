@@ -16,8 +16,9 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, assert_never
 
 from kubernetes.client.exceptions import ApiException
@@ -28,6 +29,7 @@ from grpo_api.exit_codes import EXIT_INVALID_SPEC
 from grpo_api.export_protocol import ExportResult, parse_result
 from grpo_api.health import DEFAULT_TIMEOUT_SECONDS, HealthClient
 from grpo_api.lifecycle import (
+    AdmissionState,
     CreateExporter,
     CreateInitializer,
     CreateTrainer,
@@ -41,6 +43,7 @@ from grpo_api.lifecycle import (
     HealthCheck,
     Observation,
     Provision,
+    QueueAdmission,
     RequeueAfter,
     StopServer,
     TrainerState,
@@ -50,13 +53,13 @@ from grpo_api.lifecycle import (
     troubled,
     wants_health,
 )
-from grpo_api.models import KIND, GRPORun, GRPORunStatus, Mode, Phase, Reason
+from grpo_api.models import KIND, TERMINAL_PHASES, GRPORun, GRPORunStatus, Mode, Phase, Reason
 from grpo_api.prepare_protocol import latest_progress
 from grpo_api.runconfig import format_validation_error
 from grpo_api.sources import SourceError
-from grpo_operator import builders, metrics
+from grpo_operator import builders, kueue, metrics
 from grpo_operator.children import Children, describe_leftover, job_info, owner_of
-from grpo_operator.kube import KubeClient
+from grpo_operator.kube import KubeClient, NotServedError
 
 log = logging.getLogger("grpo_operator")
 
@@ -80,6 +83,9 @@ class OperatorConfig:
     server_ingress: builders.ServerIngress | None = field(default_factory=builders.ServerIngress)
     #: Images of runs whose spec names none (the chart's runImages.server and runImages.trainer).
     images: builders.Images = field(default_factory=builders.Images)
+    #: Runs labelled kueue.x-k8s.io/queue-name wait for Kueue to admit them (the chart's kueue.enabled, which also
+    #: grants the RBAC); without it such a run is refused, naming the label, rather than run outside the quotas.
+    kueue: bool = False
 
 
 @dataclass
@@ -213,6 +219,18 @@ def _reconcile(rt: Runtime, body: dict[str, Any], children: Children) -> float:
         builders.check_children(run)
         if status.phase == Phase.PENDING:
             check_claims(rt, run)
+        request = kueue.queue_request(run)
+        if request is not None and not rt.config.kueue:
+            raise builders.InvalidRunError(
+                f"metadata.labels[{kueue.QUEUE_LABEL}] asks Kueue to admit the run, but this operator runs without "
+                "Kueue (`grpo operator --kueue`, the chart's kueue.enabled): remove the label, or enable Kueue")
+        queue = observe_queue(rt, run, status, request) if request is not None else None
+    except NotServedError as exc:
+        decision = reject(status, f"metadata.labels[{kueue.QUEUE_LABEL}] asks Kueue to admit the run, but the cluster "
+                          f"serves no {exc} (is Kueue v0.17 or later installed?)", now, generation=generation)
+        _record(rt, meta, raw_status, status, decision)
+        _count_failures(namespace, name, decision)
+        return rt.config.reconcile_interval
     except (ValidationError, builders.InvalidRunError, SourceError) as exc:
         message = (
             format_validation_error(f"GRPORun {namespace}/{name}", exc)
@@ -224,10 +242,12 @@ def _reconcile(rt: Runtime, body: dict[str, Any], children: Children) -> float:
         _count_failures(namespace, name, decision)
         return rt.config.reconcile_interval
 
-    observed = observe(rt, run, status, children, now)
+    observed = observe(rt, run, status, children, now, queue.admission if queue is not None else None)
     decision = decide(run.spec, status, observed, generation=generation)
     try:
-        deleted = execute(rt, run, children, decision)
+        deleted = execute(rt, run, children, decision, queue_placements(rt, queue))
+        if queue is not None and not deleted:
+            sync_workload(rt, run, queue, decision.status, children, now)
     except ChildConflictError as exc:
         if exc.of_earlier_run:
             # Re-created under a dying run's name: its children go first (GC), never adopted. The index had
@@ -317,10 +337,11 @@ def create_owned(rt: Runtime, run: GRPORun, obj: dict[str, Any]) -> None:
 
 
 def observe(
-    rt: Runtime, run: GRPORun, status: GRPORunStatus, children: Children, now: dt.datetime
+    rt: Runtime, run: GRPORun, status: GRPORunStatus, children: Children, now: dt.datetime,
+    admission: QueueAdmission | None = None,
 ) -> Observation:
     """The lifecycle's view of the world: older servers, the trainer of this attempt, the server's health
-    (with several replicas, each replica's)."""
+    (with several replicas, each replica's), and Kueue's admission of a run it queues."""
     attempt = status.attempt
     server_mode = run.spec.mode == Mode.SERVER
     older = len(children.older_server_pods(attempt)) if server_mode and attempt > 0 else 0
@@ -379,7 +400,101 @@ def observe(
         missing_children=missing,
         lost_children=lost,
         earlier_run_children=earlier,
+        admission=admission,
     )
+
+
+# ------------------------------------------------------------------------------------------------ Kueue
+
+
+@dataclass(frozen=True)
+class QueueView:
+    """A run Kueue admits, as this reconcile found it: what its labels ask, Kueue's answer, its Workload."""
+
+    request: kueue.QueueRequest
+    admission: QueueAdmission
+    #: The Workload as read (None: not created yet).
+    workload: dict[str, Any] | None = None
+    #: The priority a Workload created now gets (its WorkloadPriorityClass was found).
+    priority: kueue.Priority | None = None
+
+
+def observe_queue(rt: Runtime, run: GRPORun, status: GRPORunStatus, request: kueue.QueueRequest) -> QueueView:
+    """The run's Workload and Kueue's answer. While it waits the labels' objects are looked up too, so a
+    LocalQueue or WorkloadPriorityClass that does not exist is named in this reconcile's status (Kueue would say
+    so of the LocalQueue only once its own controller got to the Workload)."""
+    namespace = run.metadata.namespace or "default"
+    name = kueue.workload_name(run)
+    workload = rt.kube.read_kueue(kueue.WORKLOADS, name, namespace)
+    if workload is not None:
+        admission = kueue.admission_of(workload, request)
+    else:
+        admission = QueueAdmission(AdmissionState.WAITING, f"creating its Workload {name} in LocalQueue "
+                                                           f"{request.local_queue}")
+    if status.phase in TERMINAL_PHASES or admission.state != AdmissionState.WAITING:
+        return QueueView(request, admission, workload)
+    priority = None
+    if workload is None and request.priority_class is not None:
+        found = rt.kube.read_kueue(kueue.PRIORITY_CLASSES, request.priority_class)
+        if found is None:
+            return QueueView(request, kueue.priority_class_not_found(request))
+        priority = kueue.Priority(request.priority_class, int(found.get("value", 0)))
+    if rt.kube.read_kueue(kueue.LOCAL_QUEUES, request.local_queue, namespace) is None:
+        admission = kueue.queue_not_found(request, namespace)
+    return QueueView(request, admission, workload, priority)
+
+
+def queue_placements(rt: Runtime, queue: QueueView | None) -> Callable[[str], builders.Admitted | None]:
+    """Where Kueue admitted each pod set (its flavors read once, when a pod is first built), or nothing."""
+    if queue is None or queue.workload is None or queue.admission.state != AdmissionState.ADMITTED:
+        return lambda _: None
+    workload = queue.workload
+    found: dict[str, dict[str, builders.Admitted]] = {}
+
+    def admitted(pod_set: str) -> builders.Admitted | None:
+        if not found:
+            flavors = {}
+            for flavor in kueue.assigned_flavors(workload):
+                read = rt.kube.read_kueue(kueue.FLAVORS, flavor)
+                if read is None:
+                    raise RuntimeError(f"ResourceFlavor {flavor}, which Kueue assigned to the run, does not exist")
+                flavors[flavor] = read
+            found["placements"] = kueue.admitted_placements(workload, flavors)
+        return found["placements"].get(pod_set)
+
+    return admitted
+
+
+def sync_workload(
+    rt: Runtime, run: GRPORun, queue: QueueView, status: GRPORunStatus, children: Children, now: dt.datetime
+) -> None:
+    """The run's Workload follows the run: created while it waits (unless its WorkloadPriorityClass is missing),
+    deactivated while it is suspended, its eviction acknowledged and at the end finished, each once none of the
+    run's pods is left (Kueue's quota stays reserved until then)."""
+    namespace = run.metadata.namespace or "default"
+    workload = queue.workload
+    terminal = status.phase in TERMINAL_PHASES
+    if workload is None:
+        if not terminal and queue.admission.waiting_reason != Reason.PRIORITY_CLASS_NOT_FOUND:
+            create_owned(rt, run, kueue.build_workload(run, queue.request, queue.priority, rt.config.images))
+        return
+    name = workload["metadata"]["name"]
+    activity = kueue.activity_patch(workload, run) if not terminal else None
+    if activity is not None:
+        rt.kube.patch_workload(namespace, name, activity)
+        return  # the status patch below would carry the old resourceVersion
+    outcome = "Succeeded" if status.phase == Phase.SUCCEEDED else "Failed"
+    finished = (outcome, status.message or "") if terminal else None
+    patch = kueue.status_patch(workload, finished=finished, now=now,
+                               pods_gone=children.pods_gone(builders.child_names(run).initializer))
+    if patch is None:
+        return
+    try:
+        rt.kube.patch_workload(namespace, name, patch, status=True)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+        log.info("%s/%s: Workload %s changed meanwhile; written again next time", namespace, run.metadata.name, name)
 
 
 def replica_checks(
@@ -603,8 +718,15 @@ def _server_url_override(rt: Runtime, run: GRPORun) -> str | None:
 # -------------------------------------------------------------------------------------------- execute
 
 
-def execute(rt: Runtime, run: GRPORun, children: Children, decision: Decision) -> bool:
-    """Carry out the decision's actions; True when the run itself was deleted."""
+def execute(
+    rt: Runtime,
+    run: GRPORun,
+    children: Children,
+    decision: Decision,
+    admitted: Callable[[str], builders.Admitted | None] = lambda _: None,
+) -> bool:
+    """Carry out the decision's actions, the pods where Kueue admitted them (`admitted`, by pod set); True when the
+    run itself was deleted."""
     namespace = run.metadata.namespace or "default"
     names = builders.child_names(run)
     deployment = children.deployment
@@ -614,16 +736,19 @@ def execute(rt: Runtime, run: GRPORun, children: Children, decision: Decision) -
                 provision(rt, run)
             case CreateInitializer():
                 if children.job(names.initializer) is None:
-                    create_owned(rt, run, builders.build_initializer_job(run, rt.config.images))
+                    create_owned(rt, run, builders.build_initializer_job(run, rt.config.images,
+                                                                         admitted(kueue.TRAINER_POD_SET)))
             case CreateExporter():
-                exporter_job = builders.build_exporter_job(run, rt.config.images)
-                if exporter_job is not None and children.job(names.exporter) is None:
-                    create_owned(rt, run, exporter_job)
+                if run.spec.output is not None and children.job(names.exporter) is None:
+                    exporter_job = builders.build_exporter_job(run, rt.config.images, admitted(kueue.TRAINER_POD_SET))
+                    if exporter_job is not None:
+                        create_owned(rt, run, exporter_job)
             case EnsureServer(attempt=attempt, replicas=replicas):
                 if deployment is not None and deployment.attempt == attempt and deployment.replicas == replicas:
                     continue
                 # Several replicas sharing a claim that cannot span nodes must share a node.
-                where = placement(rt, run) if run.spec.effective_server.replicas > 1 else None
+                where = placement(rt, run) if run.spec.effective_server.replicas > 1 else builders.Placement()
+                where = replace(where, admitted=admitted(kueue.SERVER_POD_SET))
                 desired = builders.build_server_deployment(run, attempt, replicas, rt.config.images, where)
                 if deployment is None:
                     create_owned(rt, run, desired)
@@ -646,7 +771,8 @@ def execute(rt: Runtime, run: GRPORun, children: Children, decision: Decision) -
                     rt.kube.delete_if_present("Deployment", namespace, names.server)
             case CreateTrainer(attempt=attempt):
                 if children.job(names.trainer(attempt)) is None:
-                    job = builders.build_trainer_job(run, attempt, rt.config.images, placement(rt, run))
+                    where = replace(placement(rt, run), admitted=admitted(kueue.TRAINER_POD_SET))
+                    job = builders.build_trainer_job(run, attempt, rt.config.images, where)
                     create_owned(rt, run, job)
             case DeleteTrainer(attempt=attempt):
                 rt.kube.delete_if_present("Job", namespace, names.trainer(attempt))

@@ -29,6 +29,10 @@ The contract (ARCHITECTURE.md, "Lifecycle of one run"):
   run, or one process), which uploads the result and reports where it went, its digest and size
   (`status.output`); its failure fails the run (`ExportFailed`) without another attempt, and nothing is
   deleted: the adapters stay on the run's volume; suspend waits until it is done, the deadline ends it;
+- a run that a queue admits (Kueue, for a run labelled kueue.x-k8s.io/queue-name: `Observation.admission`)
+  waits suspended, creating nothing, until it is admitted; one whose admission is taken back mid-run (a
+  preemption by Kueue) is suspended as by `suspend`, its pods deleted and its checkpoint kept, counted in
+  `status.preemptions` and not against backoffLimit, and resumes with a new attempt once admitted again;
 - terminal phases stay terminal.
 
 Actions are idempotent requests ("this should exist"), re-issued on every call
@@ -77,6 +81,8 @@ MAX_KNOWN_BOOT_IDS = 64
 SERVER_HEALTH_GRACE_SECONDS = 30.0
 #: Events and condition messages stay short (events are capped at 1 KiB by convention).
 MAX_MESSAGE_CHARS = 1000
+#: How often to look again while a queue has not admitted the run (or took its admission back).
+QUEUE_POLL_SECONDS = 2.0
 #: How often to look again while what an earlier run of the same name left is going away.
 EARLIER_RUN_POLL_SECONDS = 2.0
 #: Objects of an earlier run named in a status message (the rest are counted).
@@ -118,6 +124,28 @@ class HealthCheck:
             status = self.body.status if self.body is not None else ""
             return f"HTTP {self.status_code}" + (f" ({status})" if status else "")
         return "healthy" if self.body is not None else "HTTP 200 with an unreadable body"
+
+
+class AdmissionState(StrEnum):
+    """A queue's answer for a run it queues (the operator reads Kueue's Workload of the run)."""
+
+    #: Not admitted (yet): the run waits, suspended.
+    WAITING = "Waiting"
+    ADMITTED = "Admitted"
+    #: The admission was taken back (preempted, the queue stopped, the Workload deactivated or deleted).
+    EVICTED = "Evicted"
+
+
+@dataclass(frozen=True)
+class QueueAdmission:
+    """Whether the queue lets the run's pods exist, and its words for it."""
+
+    state: AdmissionState
+    #: Why it waits or was evicted (the queue's own words), or where it was admitted.
+    message: str = ""
+    #: The status reason while it waits: Queued, or QueueNotFound / PriorityClassNotFound when the run's labels
+    #: name an object that does not exist (yet).
+    waiting_reason: Reason = Reason.QUEUED
 
 
 @dataclass(frozen=True)
@@ -172,6 +200,8 @@ class Observation:
     exporter_message: str = ""
     #: Its result line (where the result went, digest, size), once it succeeded.
     export_result: ExportResult | None = None
+    #: The queue's admission of a run a queue admits (Kueue); None when none does (no label, `grpo run`).
+    admission: QueueAdmission | None = None
 
 
 # ----------------------------------------------------------------------------------------- actions
@@ -456,17 +486,22 @@ class _Step:
         elif policy.suspend and phase != Phase.EXPORTING:
             # The export step runs to its end: what it uploads does not survive a stop half-way.
             self.suspend()
-        elif phase == Phase.SUSPENDED:
-            self.status.start_time = self.now  # as for Jobs: the active deadline restarts on resume
-            if self.status.sources.ready:
-                self.start_attempt(self.status.attempt + 1, Reason.RESUMED, "resumed")
-            else:
-                self.initialize(Reason.RESUMED, "resumed; fetching and checking the sources")
         elif phase == Phase.PENDING and self.obs.earlier_run_children:
             self.wait_for_earlier_run()
+        elif self.held_by_queue() and phase != Phase.EXPORTING:
+            # Neither does a queue stop the export step: the trainer's admission covers it until the run ends.
+            self.queue_hold()
+        elif phase == Phase.SUSPENDED:
+            self.status.start_time = self.now  # as for Jobs: the active deadline restarts on resume
+            reason, said = self.resumed_by()
+            if self.status.sources.ready:
+                self.start_attempt(self.status.attempt + 1, reason, said)
+            else:
+                self.initialize(reason, f"{said}; fetching and checking the sources")
         elif phase == Phase.PENDING:
             self.status.start_time = self.now
-            self.initialize(Reason.CREATED, "run started; fetching and checking the sources")
+            reason, said = (Reason.CREATED, "run started") if self.obs.admission is None else self.resumed_by()
+            self.initialize(reason, f"{said}; fetching and checking the sources")
         elif self.deadline_passed():
             if phase == Phase.EXPORTING:
                 self.actions.append(DeleteExporter())
@@ -598,23 +633,29 @@ class _Step:
         the next attempt (a fresh server, the trainer resuming from its checkpoint) does not count against
         backoffLimit. Each one is counted in status.preemptions; past runPolicy.preemptionLimit a preemption
         counts as a failed attempt, so a loop of them still ends."""
-        attempt = self.status.attempt
-        self.status.preemptions += 1
-        count = self.status.preemptions
-        limit = self.spec.run_policy.preemption_limit
-        if limit is not None and count > limit:
-            self.attempt_failed(
-                Reason.TRAINER_FAILED,
-                f"{message} (preemptions: {count}, past runPolicy.preemptionLimit {limit}: counted as a failure)",
-            )
+        if self.count_preemption():
+            self.attempt_failed(Reason.TRAINER_FAILED, f"{message} ({self.preemptions_past_limit()})")
             return
-        of = f" of {limit}" if limit is not None else ""
         # The phase's reason is the event: Preempted, with this message.
         self.start_attempt(
-            attempt + 1,
-            Reason.PREEMPTED,
-            f"{message}; not counted against backoffLimit (preemptions: {count}{of})",
+            self.status.attempt + 1, Reason.PREEMPTED, f"{message}; {self.preemptions_not_counted()}"
         )
+
+    def count_preemption(self) -> bool:
+        """Count a preemption in status.preemptions; True when it is past runPolicy.preemptionLimit (it then
+        counts as a failed attempt)."""
+        self.status.preemptions += 1
+        limit = self.spec.run_policy.preemption_limit
+        return limit is not None and self.status.preemptions > limit
+
+    def preemptions_past_limit(self) -> str:
+        return (f"preemptions: {self.status.preemptions}, past runPolicy.preemptionLimit "
+                f"{self.spec.run_policy.preemption_limit}: counted as a failure")
+
+    def preemptions_not_counted(self) -> str:
+        limit = self.spec.run_policy.preemption_limit
+        of = f" of {limit}" if limit is not None else ""
+        return f"not counted against backoffLimit (preemptions: {self.status.preemptions}{of})"
 
     def start_export(self, trained: str) -> None:
         """The trainer is done: the server is no longer needed (its cleanup policy applies now, so its GPUs
@@ -670,16 +711,69 @@ class _Step:
         self.finished()
 
     def suspend(self) -> None:
-        if self.status.phase != Phase.SUSPENDED:
+        if (self.status.phase, self.status.reason) != (Phase.SUSPENDED, Reason.SUSPENDED):
             self.set_phase(
                 Phase.SUSPENDED, Reason.SUSPENDED, f"suspended during attempt {self.status.attempt}"
             )
+        self.release_pods()
+
+    def release_pods(self) -> None:
+        """A suspended run holds no pod: its trainer goes; its server stops, or with a queue goes (its next
+        admission may place it elsewhere); the volume, and with it the checkpoint, stays."""
         self.status.server.ready = False
         self.status.server.message = None
         if self.status.attempt > 0 and self.obs.trainer != TrainerState.ABSENT:
             self.actions.append(DeleteTrainer(self.status.attempt))
         if self.server_mode:
-            self.actions.append(StopServer())
+            self.actions.append(StopServer() if self.obs.admission is None else DeleteServer())
+
+    # -- a queue's admission -----------------------------------------------------------------------
+
+    def held_by_queue(self) -> bool:
+        return self.obs.admission is not None and self.obs.admission.state != AdmissionState.ADMITTED
+
+    def resumed_by(self) -> tuple[Reason, str]:
+        """The reason and words of a start or resume: the queue's admission, or the user's resume."""
+        admission = self.obs.admission
+        if admission is None:
+            return Reason.RESUMED, "resumed"
+        return Reason.ADMITTED, f"admitted by Kueue ({admission.message})" if admission.message else "admitted by Kueue"
+
+    def queue_hold(self) -> None:
+        """Not admitted: the run waits suspended, creating nothing. An admission taken back while the run ran
+        (a preemption by Kueue) ends the attempt as a preempted trainer does, without counting against
+        backoffLimit, but the next attempt waits for the queue to admit the run again."""
+        admission = self.obs.admission
+        assert admission is not None
+        phase, attempt = self.status.phase, self.status.attempt
+        if phase in (Phase.STARTING_SERVER, Phase.TRAINING):
+            message = f"attempt {attempt} evicted by Kueue: {admission.message or 'its admission was taken back'}"
+            if self.count_preemption():
+                self.status.failed_attempts += 1
+                failed, limit = self.status.failed_attempts, self.spec.run_policy.backoff_limit
+                over = f"{message} ({self.preemptions_past_limit()})"
+                if failed > limit:
+                    self.actions.append(Emit("Warning", Reason.TRAINER_FAILED, _truncate(over)))
+                    self.finish(Phase.FAILED, Reason.BACKOFF_LIMIT_EXCEEDED,
+                                f"{over} (failed attempts: {failed}, backoffLimit: {limit})")
+                    return
+                counted = f"counted as failed attempt {failed} of backoffLimit {limit}"
+            else:
+                counted = self.preemptions_not_counted()
+            self.hold(Reason.EVICTED, f"{message}; suspended with its checkpoint kept until Kueue admits it "
+                                      f"again; {counted}")
+        elif phase == Phase.INITIALIZING:
+            self.hold(Reason.EVICTED, f"evicted by Kueue before the first attempt: "
+                                      f"{admission.message or 'its admission was taken back'}")
+        elif admission.state == AdmissionState.EVICTED and self.status.reason == Reason.EVICTED:
+            self.hold(Reason.EVICTED, self.status.message or "evicted by Kueue")
+        else:
+            self.hold(admission.waiting_reason, f"waiting for Kueue to admit it: {admission.message or 'queued'}")
+        self.actions.append(RequeueAfter(QUEUE_POLL_SECONDS))
+
+    def hold(self, reason: Reason, message: str) -> None:
+        self.set_phase(Phase.SUSPENDED, reason, message)
+        self.release_pods()
 
     # -- steady states -----------------------------------------------------------------------------
 

@@ -60,6 +60,13 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.PREEMPTED: _WARNING,
     Reason.EXPORTING: _NORMAL,
     Reason.EXPORT_FAILED: ReasonInfo("Warning", "run"),
+    Reason.QUEUED: _NORMAL,
+    # Waited for: the label names an object that does not exist (yet).
+    Reason.QUEUE_NOT_FOUND: _WARNING,
+    Reason.PRIORITY_CLASS_NOT_FOUND: _WARNING,
+    Reason.ADMITTED: _NORMAL,
+    # Not the run's fault: no failed attempt (one past runPolicy.preemptionLimit is counted as TrainerFailed).
+    Reason.EVICTED: _WARNING,
 }
 
 _missing = set(Reason) - set(REASONS)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from grpo_operator.rbac import APPLICATION_RULES, FRAMEWORK_RULES
+from grpo_operator.rbac import APPLICATION_RULES, FRAMEWORK_RULES, KUEUE_CLUSTER_RULES, KUEUE_RULES
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "grpo-operator"
@@ -27,11 +27,13 @@ RBAC_HEADER = """\
 # clusterRules: cluster-scoped (kopf's framework rules), always in a ClusterRole.
 # namespacedRules: what the reconciler does to runs and their children; a Role in each watched
 # namespace, or part of the ClusterRole when the operator watches all namespaces.
+# kueueClusterRules, kueueNamespacedRules: added to those with kueue.enabled.
 """
 
 
 def rbac_rules_text() -> str:
-    body = yaml.safe_dump({"clusterRules": FRAMEWORK_RULES, "namespacedRules": APPLICATION_RULES},
+    body = yaml.safe_dump({"clusterRules": FRAMEWORK_RULES, "namespacedRules": APPLICATION_RULES,
+                           "kueueClusterRules": KUEUE_CLUSTER_RULES, "kueueNamespacedRules": KUEUE_RULES},
                           sort_keys=False, default_flow_style=None, width=110)
     return RBAC_HEADER + body
 

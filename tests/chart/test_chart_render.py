@@ -168,6 +168,28 @@ def test_operator_args_are_accepted_by_the_grpo_operator_command(chart: Chart, s
     assert params["standalone"], "one replica runs without kopf peering"
 
 
+def test_kueue_is_one_switch_the_operators_flag_its_rbac_and_its_admission_bound(chart: Chart) -> None:
+    """Off by default (no Kueue rights at all); on, the operator runs with --kueue, may read and write Workloads
+    and read what its runs' labels name, and the admission policy bounds its Workload writes as its other children."""
+    off = chart.render()
+    assert not operator_params(off)["kueue"]
+    granted = {res for r in find(off, "Role") + find(off, "ClusterRole") if not user_role(r)
+               for rule in r["rules"] for res in rule["resources"]}
+    assert not {res for res in granted if res.startswith(("workload", "localqueue", "resourceflavor"))}
+    on = chart.render(SCENARIOS["kueue-namespaced"])
+    assert operator_params(on)["kueue"]
+    roles = {res: rule["verbs"] for r in find(on, "Role") for rule in r["rules"] for res in rule["resources"]}
+    assert (roles["workloads"], roles["workloads/status"], roles["localqueues"]) == (
+        ["get", "create", "patch"], ["patch"], ["get"])
+    (cluster_role,) = [r for r in find(on, "ClusterRole") if not user_role(r)]
+    cluster = {res: rule["verbs"] for rule in cluster_role["rules"] for res in rule["resources"]}
+    assert cluster["workloadpriorityclasses"] == cluster["resourceflavors"] == ["get"]
+    policy = next(p for p in find(on, "ValidatingAdmissionPolicy") if p["metadata"]["name"].endswith("-children"))
+    rules = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert {"apiGroups": ["kueue.x-k8s.io"], "apiVersions": ["*"], "operations": ["CREATE", "UPDATE", "DELETE"],
+            "resources": ["workloads", "workloads/status"]} in rules
+
+
 def test_cluster_mode_watches_all_namespaces(chart: Chart) -> None:
     (container,) = pod_template(one(chart.render({"watch": {"mode": "cluster"}}), "Deployment"))["spec"]["containers"]
     assert "--all-namespaces" in container["args"]
@@ -229,12 +251,14 @@ def test_chart_generated_files_are_up_to_date() -> None:
     assert not stale, f"{stale} are stale: run `.venv/bin/python -m tests.chart.sync`"
 
 
-@pytest.mark.parametrize("scenario", ["defaults", "namespaced-two-namespaces", "cluster-wide"])
+@pytest.mark.parametrize("scenario", ["defaults", "namespaced-two-namespaces", "cluster-wide", "kueue-namespaced",
+                                      "kueue-cluster-wide"])
 def test_rendered_rbac_is_exactly_what_rbac_py_renders(chart: Chart, scenario: str) -> None:
     values = SCENARIOS[scenario]
     watch = values.get("watch", {})
     namespaces = None if watch.get("mode") == "cluster" else (watch.get("namespaces") or [RELEASE_NAMESPACE])
-    expected = render_rbac(FULLNAME, FULLNAME, RELEASE_NAMESPACE, namespaces)
+    kueue = bool(values.get("kueue", {}).get("enabled"))
+    expected = render_rbac(FULLNAME, FULLNAME, RELEASE_NAMESPACE, namespaces, kueue=kueue)
     rendered = [d for d in chart.render(values) if d["kind"] in RBAC_KINDS and not user_role(d)]
 
     def key(essence: dict[str, Any]) -> tuple[str, str, str]:

@@ -70,6 +70,17 @@ class Reason(StrEnum):
     EXPORTING = "Exporting"
     #: The export step failed (its words in the message): the run fails, the adapters stay on its volume.
     EXPORT_FAILED = "ExportFailed"
+    #: A run Kueue queues (label kueue.x-k8s.io/queue-name) waits, suspended, for Kueue to admit it.
+    QUEUED = "Queued"
+    #: The LocalQueue its kueue.x-k8s.io/queue-name label names does not exist (yet): the run waits for it.
+    QUEUE_NOT_FOUND = "QueueNotFound"
+    #: The WorkloadPriorityClass its kueue.x-k8s.io/priority-class label names does not exist (yet): the run waits.
+    PRIORITY_CLASS_NOT_FOUND = "PriorityClassNotFound"
+    #: Kueue admitted the run: its server and trainer may start.
+    ADMITTED = "Admitted"
+    #: Kueue took the run's admission back (preempted by a run of higher priority, its queue stopped): the run is
+    #: suspended, its checkpoint kept, and resumes when Kueue admits it again; not a failed attempt.
+    EVICTED = "Evicted"
 
 
 class ConditionType(StrEnum):
