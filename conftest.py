@@ -4,6 +4,7 @@ pytest_plugins = [
     "tests.fixtures.models",
     "tests.fixtures.server",
     "tests.fixtures.controlplane",
+    "tests.fixtures.kueue",
 ]
 
 

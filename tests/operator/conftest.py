@@ -43,16 +43,22 @@ RECONCILE_INTERVAL = 1.0
 @pytest.fixture(scope="session")
 def operator_kubeconfig(control_plane: ControlPlane, grporun_crd: dict[str, Any], tmp_path_factory: Any) -> Path:
     """A kubeconfig for a ServiceAccount that has exactly the operator's RBAC rules."""
+    return operator_identity(control_plane, tmp_path_factory, OPERATOR_SA, "grpo-operator-test")
+
+
+def operator_identity(cp: ControlPlane, tmp_path_factory: Any, service_account: str, role: str, *,
+                      kueue: bool = False) -> Path:
+    """A kubeconfig for a ServiceAccount bound to exactly the operator's RBAC rules (with Kueue's, with `kueue`)."""
     from grpo_operator.rbac import render_rbac
 
-    cp = control_plane
     cp.kubectl("create", "namespace", OPERATOR_SA_NAMESPACE)
-    cp.kubectl("create", "serviceaccount", OPERATOR_SA, "-n", OPERATOR_SA_NAMESPACE)
-    manifests = render_rbac("grpo-operator-test", OPERATOR_SA, OPERATOR_SA_NAMESPACE)
+    cp.kubectl("create", "serviceaccount", service_account, "-n", OPERATOR_SA_NAMESPACE)
+    manifests = render_rbac(role, service_account, OPERATOR_SA_NAMESPACE, kueue=kueue)
     applied = cp.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
                                                                 "items": manifests}))
     assert applied.returncode == 0, applied.stderr
-    token = cp.kubectl("create", "token", OPERATOR_SA, "-n", OPERATOR_SA_NAMESPACE, "--duration=24h", check=True)
+    token = cp.kubectl("create", "token", service_account, "-n", OPERATOR_SA_NAMESPACE, "--duration=24h",
+                       check=True)
     path = Path(tmp_path_factory.mktemp("operator-identity")) / "kubeconfig"
     path.write_text(json.dumps({
         "apiVersion": "v1",
@@ -160,7 +166,14 @@ def operator(
 ) -> Iterator[OperatorProcess]:
     """The operator watching the test's namespace; on teardown the test's runs are deleted while it
     still runs (so kopf releases its finalizer and the namespace can go)."""
-    op = OperatorProcess(namespace=namespace, kubeconfig=operator_kubeconfig, log_path=tmp_path / "operator.log")
+    yield from running_operator(control_plane, OperatorProcess(namespace=namespace, kubeconfig=operator_kubeconfig,
+                                                               log_path=tmp_path / "operator.log"))
+
+
+def running_operator(control_plane: ControlPlane, op: OperatorProcess) -> Iterator[OperatorProcess]:
+    """Start the operator, yield it, delete the namespace's runs while it still runs, stop it, and fail the test if
+    it lacked a permission."""
+    namespace = op.namespace or ""
     op.start()
     try:
         yield op
@@ -198,11 +211,11 @@ class Kube:
     # -- runs
 
     def create_run(self, name: str, spec: dict[str, Any] | None = None, server_url: str | None = None,
-                   **spec_fields: Any) -> dict[str, Any]:
+                   labels: dict[str, str] | None = None, **spec_fields: Any) -> dict[str, Any]:
         body: dict[str, Any] = {
             "apiVersion": "grpo.dev/v1alpha1",
             "kind": "GRPORun",
-            "metadata": {"name": name},
+            "metadata": {"name": name, **({"labels": labels} if labels else {})},
             "spec": spec or run_spec(**spec_fields),
         }
         if server_url is not None:
