@@ -15,7 +15,6 @@ from grpo_api.lifecycle import (
     Observation,
     Provision,
     QueueAdmission,
-    RequeueAfter,
     StopServer,
     TrainerState,
     decide,
@@ -40,7 +39,7 @@ def test_a_queued_run_waits_suspended_and_asks_for_nothing_until_admitted() -> N
     assert (st.phase, st.reason) == (Phase.SUSPENDED, Reason.QUEUED)
     assert "waiting for Kueue to admit it: couldn't assign flavors" in (st.message or "")
     assert non_meta(decision) == [DeleteServer()], "no run-config, claim, initializer, server or trainer"
-    assert RequeueAfter(2.0) in decision.actions
+    assert decision.requeue_after == 2.0, "the queue's answer is looked at again soon"
     suspended = get_condition(st.conditions, ConditionType.SUSPENDED)
     assert suspended is not None and (suspended.status, suspended.reason) == ("True", Reason.QUEUED)
     assert st.start_time is None, "activeDeadlineSeconds counts from the admission, as a Job's from its resume"
