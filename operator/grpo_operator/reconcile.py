@@ -58,7 +58,7 @@ from grpo_api.prepare_protocol import latest_progress
 from grpo_api.runconfig import format_validation_error
 from grpo_api.sources import SourceError
 from grpo_operator import builders, kueue, metrics
-from grpo_operator.children import Children, describe_leftover, job_info, owner_of
+from grpo_operator.children import Children, JobInfo, describe_leftover, job_info, owner_of
 from grpo_operator.kube import KubeClient, NotServedError
 
 log = logging.getLogger("grpo_operator")
@@ -559,14 +559,20 @@ def child_losses(rt: Runtime, run: GRPORun, children: Children) -> tuple[tuple[s
     return tuple(missing), tuple(lost)
 
 
-def initializer_state(rt: Runtime, run: GRPORun, children: Children) -> tuple[TrainerState, str, str | None]:
-    """The initializer Job's state, its trouble (or why it failed) and its latest progress line."""
-    namespace = run.metadata.namespace or "default"
-    name = builders.child_names(run).initializer
+def step_job(rt: Runtime, namespace: str, name: str, children: Children) -> JobInfo | None:
+    """A one-off step's Job (the initializer's, the export's): from the watched children, else read."""
     job = children.job(name)
     if job is None:
         raw = rt.kube.read_job(namespace, name)
         job = job_info(raw) if raw is not None else None
+    return job
+
+
+def initializer_state(rt: Runtime, run: GRPORun, children: Children) -> tuple[TrainerState, str, str | None]:
+    """The initializer Job's state, its trouble (or why it failed) and its latest progress line."""
+    namespace = run.metadata.namespace or "default"
+    name = builders.child_names(run).initializer
+    job = step_job(rt, namespace, name, children)
     if job is None:
         return TrainerState.ABSENT, "", None
     pods = children.job_pods(name)
@@ -595,10 +601,7 @@ def exporter_state(rt: Runtime, run: GRPORun, children: Children) -> tuple[Train
     """The export Job's state, its trouble (or why it failed) and its result line once it succeeded."""
     namespace = run.metadata.namespace or "default"
     name = builders.child_names(run).exporter
-    job = children.job(name)
-    if job is None:
-        raw = rt.kube.read_job(namespace, name)
-        job = job_info(raw) if raw is not None else None
+    job = step_job(rt, namespace, name, children)
     if job is None:
         return TrainerState.ABSENT, "", None
     pods = children.job_pods(name)
