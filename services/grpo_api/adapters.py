@@ -1,9 +1,15 @@
 """Adapter publication format on the shared volume: `<adapter root>/v<N>/` plus a manifest.
 
 The trainer writes a version into a temporary directory, fsyncs it, writes
-`grpo-manifest.json` (sha256 of every file, step, version, base-model
+`grpo-manifest.json` (a digest of every file, step, version, base-model
 fingerprint) and renames the directory atomically to `v<N>`. The server
 verifies the manifest before it loads anything. Both sides use this module.
+
+File digests are BLAKE3 (the `blake3` package), written `blake3:<hex>`: the server verifies every
+byte of an adapter before it serves it, on the sync's path, and BLAKE3 hashes several times faster
+than sha256 on one core and spreads a large file over threads (74 MB of a 1.5B model's r=32 adapter:
+sha256 0.075 s on the H100's host, the whole check). A bare 64-hex digest is sha256, which manifests
+written before carry: both verify. The manifest's own digest (the load trigger's `sha256`) stays sha256.
 
 A version directory holds regular files and directories only, and the manifest names
 them by plain relative paths: no symbolic link (to anywhere), no absolute or `..` entry,
@@ -30,6 +36,11 @@ MANIFEST_NAME = "grpo-manifest.json"
 VERSION_DIR = re.compile(r"^v(\d+)$")
 #: Error type of a manifest entry that is not a plain relative path inside the directory.
 ENTRY_OUTSIDE = "adapter_file_outside"
+#: The notation of a file digest new manifests carry; a bare hex digest is sha256.
+BLAKE3_PREFIX = "blake3:"
+FILE_DIGEST = re.compile(r"^(blake3:)?[0-9a-f]{64}$")
+#: Bytes read at once when a file is hashed (large enough for BLAKE3 to use its threads).
+HASH_CHUNK = 1 << 24
 
 
 #: LoRA targets a served adapter may not touch (vLLM cannot load them as plain LoRA).
@@ -78,7 +89,9 @@ class AdapterManifest(BaseModel):
     version: int = Field(ge=1, description="Adapter version N.")
     step: int = Field(ge=0, description="Optimizer step the adapter was saved at.")
     base_model_fingerprint: str = Field(description="Fingerprint of the base model it was trained on.")
-    files: dict[str, str] = Field(description="Relative file path -> sha256 hex digest.")
+    files: dict[str, str] = Field(
+        description="Relative file path -> digest: `blake3:<64 hex>`, or 64 hex for sha256 (earlier manifests)."
+    )
     created_at: dt.datetime = Field(description="When it was published.")
 
     @field_validator("files")
@@ -92,6 +105,9 @@ class AdapterManifest(BaseModel):
                     "files: {entry} is {problem}; entries are relative paths inside the version directory",
                     {"entry": repr(rel), "problem": problem},
                 )
+        bad = sorted(rel for rel, digest in files.items() if not FILE_DIGEST.match(digest))
+        if bad:
+            raise ValueError(f"files: the digest of {bad[0]!r} is neither blake3:<64 hex> nor 64 hex (sha256)")
         return files
 
     def digest(self) -> str:
@@ -107,8 +123,39 @@ class ManifestPathError(ManifestError):
     """A manifest entry or a file of the directory that could lead outside it (absolute, `..`, a symlink)."""
 
 
+class FileHasher:
+    """A file's digest in the manifest's notation, fed in parts: BLAKE3, or sha256 to check a bare hex digest.
+
+    `FileHasher()` makes the digests new manifests carry; `FileHasher(like=expected)` hashes the way
+    `expected` was made, so an earlier manifest's sha256 entries still verify. Both release the GIL
+    while they hash a large part; BLAKE3 also spreads one over threads.
+    """
+
+    def __init__(self, like: str | None = None) -> None:
+        import blake3  # here, not at the top: the operator imports this module and has no blake3
+
+        self._sha256 = like is not None and not like.startswith(BLAKE3_PREFIX)
+        self._hash: Any = hashlib.sha256() if self._sha256 else blake3.blake3(max_threads=blake3.blake3.AUTO)
+
+    def update(self, data: bytes | memoryview) -> None:
+        self._hash.update(data)
+
+    def result(self) -> str:
+        return self._hash.hexdigest() if self._sha256 else BLAKE3_PREFIX + self._hash.hexdigest()
+
+
+def file_digest(path: Path, like: str | None = None) -> str:
+    """A regular file's digest (FileHasher); the last component is not followed if it is a symlink (OSError ELOOP)."""
+    hasher = FileHasher(like)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with open(fd, "rb", buffering=0) as f:
+        while block := f.read(HASH_CHUNK):
+            hasher.update(block)
+    return hasher.result()
+
+
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    """sha256 of a regular file; the last component is not followed if it is a symlink (OSError ELOOP)."""
+    """sha256 of a regular file (exports report it); the last component is not followed if it is a symlink."""
     h = hashlib.sha256()
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     with open(fd, "rb", buffering=0) as f:
@@ -146,17 +193,17 @@ def directory_files(directory: Path) -> list[str]:
 
 
 def write_file_durably(path: Path, *parts: bytes | memoryview) -> str:
-    """Write the parts, in order, to a new file, fsync it, and return the file's sha256.
+    """Write the parts, in order, to a new file, fsync it, and return the file's digest (FileHasher's notation).
 
     The digest is computed from memory (never read back), in a thread while the bytes are
-    written: hashlib and os.write both release the GIL.
+    written: the hash and os.write both release the GIL.
     """
 
     def digest() -> str:
-        h = hashlib.sha256()
+        hasher = FileHasher()
         for part in parts:
-            h.update(part)
-        return h.hexdigest()
+            hasher.update(part)
+        return hasher.result()
 
     with ThreadPoolExecutor(max_workers=1) as pool:
         hashed = pool.submit(digest)
@@ -218,7 +265,7 @@ def build_manifest(
     ManifestError (ManifestPathError for a symlink) if the directory holds anything the server would refuse.
     """
     known = known or {}
-    files = {rel: known.get(rel) or sha256_file(directory / rel) for rel in directory_files(directory)}
+    files = {rel: known.get(rel) or file_digest(directory / rel) for rel in directory_files(directory)}
     return AdapterManifest(
         version=version,
         step=step,
@@ -266,11 +313,11 @@ def verify_files(directory: Path, manifest: AdapterManifest) -> None:
         if rel not in present:
             raise ManifestError(f"{path} is listed in the manifest but missing")
         try:
-            actual = sha256_file(path)
+            actual = file_digest(path, like=expected)
         except OSError as exc:  # replaced by a link or removed since the listing
             raise ManifestError(f"{path} cannot be read as a regular file ({exc.strerror})") from exc
         if actual != expected:
-            raise ManifestError(f"{path}: sha256 {actual} does not match the manifest's {expected}")
+            raise ManifestError(f"{path}: digest {actual} does not match the manifest's {expected}")
     extra = sorted(present - manifest.files.keys())
     if extra:
         raise ManifestError(f"{directory}: files not in the manifest: {', '.join(extra)}")

@@ -10,8 +10,9 @@ symbolic link anywhere in it (whatever it points to), a special file, or an abso
 Two stages, so the server can hash the files while the engine loads them:
 `inspect_adapter` reads the manifest, adapter_config.json and the safetensors header
 (small reads); `verify_adapter_files` checks every file against the manifest's
-sha256 (the bulk of the bytes), then reads the tensors one at a time and refuses
-non-finite values (NaN or Inf weights would make every generation on the adapter fail).
+digest (BLAKE3, or sha256 for an earlier manifest: the bulk of the bytes), then reads
+the tensors one at a time and refuses non-finite values (NaN or Inf weights would make
+every generation on the adapter fail).
 The server activates a version only after both passed. When inspection fails on a
 version that has a manifest, the files are verified first, so a file changed after
 publication is reported as that (`adapter_checksum_mismatch`), not as whatever parse

@@ -7,11 +7,12 @@ DNS from the trainer to the server, the operator's in-cluster credentials and RB
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import time
 from pathlib import Path
+
+import blake3
 
 from tests.e2e.conftest import (
     NAMESPACE,
@@ -124,11 +125,11 @@ def test_example_run_trains_to_succeeded_on_the_node(node: Node, staged: str, vo
     dest = tmp_path / "adapter"
     pulled = grpo(node, "pull", RUN, str(dest), "-n", NAMESPACE, "--image", node.images["grpo-trainer"],
                   "--start-timeout", "180").stdout
-    assert f"adapter v{MAX_STEPS} (step {MAX_STEPS})" in pulled and "sha256 verified" in pulled, pulled
+    assert f"adapter v{MAX_STEPS} (step {MAX_STEPS})" in pulled and "each verified" in pulled, pulled
     manifest = json.loads((dest / "grpo-manifest.json").read_text())
     assert manifest["version"] == MAX_STEPS and {"adapter_model.safetensors", "adapter_config.json"} <= set(
         manifest["files"]), manifest
     for name, digest in manifest["files"].items():
-        assert hashlib.sha256((dest / name).read_bytes()).hexdigest() == digest, name
+        assert "blake3:" + blake3.blake3((dest / name).read_bytes()).hexdigest() == digest, name
     assert not [p for p in node.list("pod", "app.kubernetes.io/name=grpo-pull")
                 if not p["metadata"].get("deletionTimestamp")], "the pull pod was left behind"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import json
 import math
@@ -14,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from grpo_api.adapters import AdapterManifest, write_manifest
 from grpo_api.protocol import ADAPTER_VERSION_HEADER, SetAdapterResponse
 from tests.fixtures.server import ENV_ENGINE, RunningServer, start_server
 from tests.fixtures.server_requests import (
@@ -78,6 +80,29 @@ def test_our_payload_loads_before_answering_and_tags_generations(server, maker, 
     assert generated.json()["adapter_version"] == version
     ids = [card["id"] for card in httpx.get(server.url + "/v1/models").json()["data"]]
     assert f"policy-v{version}" in ids
+
+
+def test_a_manifest_with_sha256_digests_loads_and_a_tampered_file_under_it_is_refused(server, maker, next_version):
+    """Manifests written before BLAKE3 carry bare sha256 digests: the server verifies them the same way."""
+    good, bad = next_version(), next_version()
+    for version in (good, bad):
+        staging = server.adapter_root / f".tmp-sha256-v{version}"
+        maker.save(staging, seed=version)
+        files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in staging.iterdir()}
+        if version == bad:
+            (staging / "adapter_config.json").write_text((staging / "adapter_config.json").read_text() + " ")
+        manifest = AdapterManifest(version=version, step=version, base_model_fingerprint=maker.fingerprint,
+                                   files=files, created_at=dt.datetime.now(dt.UTC))
+        write_manifest(staging, manifest)
+        staging.rename(server.adapter_root / f"v{version}")
+        response = trigger(server, ours(server.adapter_root / f"v{version}", version, manifest.digest()))
+        if version == good:
+            assert response.status_code == 200, response.text
+            assert server.health()["adapter"]["version"] == good
+        else:
+            assert response.status_code == 409 and "adapter_checksum_mismatch" in response.text, response.text
+            assert "adapter_config.json: digest " in response.text, response.text
+            assert server.health()["adapter"]["version"] == good  # the good one stays
 
 
 def test_generations_really_run_on_the_selected_adapter(server, loaded):

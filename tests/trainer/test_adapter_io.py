@@ -9,9 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from grpo_api.adapters import MANIFEST_NAME, sha256_file, verify_manifest
+from grpo_api.adapters import MANIFEST_NAME, verify_manifest
 from grpo_trainer.transport.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, publish_dtype, save_peft_adapter
 from grpo_trainer.transport.adapter_store import AdapterStore
+
+
+def blake3_of(path: Path) -> str:
+    """The file's digest as manifests write it, computed by the blake3 library itself."""
+    import blake3
+
+    return "blake3:" + blake3.blake3(path.read_bytes()).hexdigest()
 
 
 @pytest.fixture(scope="module", params=["CAUSAL_LM", None], ids=["causal-lm", "no-task-type"])
@@ -41,7 +48,7 @@ def test_written_adapter_matches_peft_save_pretrained_and_loads_in_peft(peft_mod
     digests = save_peft_adapter(peft_model, ours, dtype=dtype)
     peft_model.save_pretrained(str(theirs))
 
-    assert digests == {name: sha256_file(ours / name) for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)}
+    assert digests == {name: blake3_of(ours / name) for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)}
     our_config, their_config = (json.loads((d / ADAPTER_CONFIG).read_text()) for d in (ours, theirs))
     assert set(our_config.pop("target_modules")) == set(their_config.pop("target_modules"))  # a set in PEFT
     assert our_config == their_config
@@ -70,8 +77,8 @@ def test_store_publishes_the_writer_output_without_rehashing_and_the_manifest_ve
 
     store = AdapterStore(tmp_path / "adapters", "sha256:base")
     reads: list[str] = []
-    real = adapters.sha256_file
-    monkeypatch.setattr(adapters, "sha256_file", lambda p, *a, **k: reads.append(Path(p).name) or real(p, *a, **k))
+    real = adapters.file_digest
+    monkeypatch.setattr(adapters, "file_digest", lambda p, *a, **k: reads.append(Path(p).name) or real(p, *a, **k))
     published = store.publish(lambda d: save_peft_adapter(peft_model, d, dtype="bfloat16"), step=3)
     assert reads == []  # both files were hashed from memory while being written
     monkeypatch.undo()
@@ -111,7 +118,7 @@ def test_the_safetensors_layout_reads_back_with_the_library(tmp_path, dtype):
     torch.manual_seed(1)
     tensors = {"b.lora_B.weight": torch.randn(5, 3), "a.lora_A.weight": torch.randn(3, 7), "c.scalar": torch.randn(1)}
     digests = write_adapter(tmp_path / "v", tensors, {"peft_type": "LORA"}, dtype=dtype)
-    assert digests[ADAPTER_WEIGHTS] == sha256_file(tmp_path / "v" / ADAPTER_WEIGHTS)
+    assert digests[ADAPTER_WEIGHTS] == blake3_of(tmp_path / "v" / ADAPTER_WEIGHTS)
     with safe_open(str(tmp_path / "v" / ADAPTER_WEIGHTS), framework="pt") as handle:
         assert handle.metadata() == {"format": "pt"} and sorted(handle.keys()) == sorted(tensors)
         for name, tensor in tensors.items():
@@ -161,7 +168,7 @@ def _assert_writes(snapshot, directory: Path, expected) -> dict[str, str]:
     assert written.keys() == expected.keys()
     for name, tensor in written.items():
         torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0)
-    assert digests[ADAPTER_WEIGHTS] == sha256_file(directory / ADAPTER_WEIGHTS)
+    assert digests[ADAPTER_WEIGHTS] == blake3_of(directory / ADAPTER_WEIGHTS)
     return digests
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from grpo_api.adapters import list_versions, verify_manifest
+from grpo_api.adapters import MANIFEST_NAME, ManifestError, list_versions, verify_manifest
 from grpo_trainer.errors import TrainingFailed
 from grpo_trainer.transport.adapter_store import AdapterStore
 from tests.fixtures.adapter_folders import LORA_CONFIG, saver
@@ -51,3 +52,19 @@ def test_adapters_vllm_cannot_serve_are_refused_and_leave_nothing(tmp_path: Path
     with pytest.raises(TrainingFailed, match=reason):
         store.publish(saver({**LORA_CONFIG, **change}), step=1)
     assert list((tmp_path / "adapters").iterdir()) == []
+
+
+def test_file_digests_are_blake3_and_a_digest_in_another_notation_is_a_malformed_manifest(tmp_path: Path):
+    import blake3
+
+    store = AdapterStore(tmp_path / "adapters", "fp")
+    published = store.publish(saver(payload=b"weights"), step=1)
+    manifest = verify_manifest(published.path)
+    for rel, digest in manifest.files.items():
+        assert digest == "blake3:" + blake3.blake3((published.path / rel).read_bytes()).hexdigest()
+    for notation in ("sha1:" + "0" * 40, "BLAKE3:" + "0" * 64, "0" * 63, "blake3:" + "g" * 64):
+        broken = manifest.model_dump(mode="json")
+        broken["files"][next(iter(broken["files"]))] = notation
+        (published.path / MANIFEST_NAME).write_text(json.dumps(broken))
+        with pytest.raises(ManifestError, match=r"(?s)is malformed.*neither blake3:<64 hex> nor 64 hex"):
+            verify_manifest(published.path)

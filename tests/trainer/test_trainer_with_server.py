@@ -7,7 +7,6 @@ non-resuming attempt refuses a server that already serves an adapter.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -18,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import blake3
 import httpx
 import pytest
 
@@ -298,7 +298,7 @@ def test_kill_9_then_restart_resumes_from_the_checkpoint_and_continues_the_step_
     publications = PUBLISH_LINE.findall(out)
     _, step, reason, sha = publications[0]
     assert (int(step), reason) == (resumed_step, f"resumed from checkpoint-{resumed_step}")
-    assert sha == hashlib.sha256(weights).hexdigest()  # the server got exactly the checkpoint's adapter
+    assert sha == "blake3:" + blake3.blake3(weights).hexdigest()  # the server got exactly the checkpoint's adapter
     steps = [int(s) for s, _, _ in STEP_LINE.findall(out)]
     assert steps == list(range(resumed_step + 1, max_steps + 1))  # none twice, none skipped
     progress = read_progress(cfg)

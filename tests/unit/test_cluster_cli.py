@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from grpo_api.adapters import MANIFEST_NAME, AdapterManifest
+from grpo_api.adapters import MANIFEST_NAME, AdapterManifest, file_digest
 from grpo_cli.cluster import commands, outcome, pull, render
 from grpo_cli.cluster import logs as pod_logs
 from grpo_cli.cluster.client import ClusterError
@@ -293,14 +293,17 @@ class FakeCluster:
         return self.run
 
 
-def publish(claim: Path, run: str, version: int, files: dict[str, bytes]) -> AdapterManifest:
+def publish(claim: Path, run: str, version: int, files: dict[str, bytes], *,
+            sha256: bool = False) -> AdapterManifest:
+    """A published version; `sha256`: with the bare sha256 digests manifests carried before BLAKE3."""
     directory = claim / "adapters" / run / f"v{version}"
     directory.mkdir(parents=True)
     for rel, data in files.items():
         (directory / rel).write_bytes(data)
+    digests = {rel: hashlib.sha256(data).hexdigest() if sha256 else file_digest(directory / rel)
+               for rel, data in files.items()}
     manifest = AdapterManifest(version=version, step=version * 2, base_model_fingerprint="f" * 64,
-                               files={rel: hashlib.sha256(d).hexdigest() for rel, d in files.items()},
-                               created_at=NOW)
+                               files=digests, created_at=NOW)
     (directory / MANIFEST_NAME).write_text(manifest.model_dump_json())
     return manifest
 
@@ -331,7 +334,7 @@ def test_pull_copies_the_newest_adapter_verified_and_deletes_its_pod(
     result = invoke_pull(monkeypatch, FakeCluster(a_run()), pods, "tiny", str(dest))
     assert result.exit_code == 0, result.output
     assert "adapter v30 (step 60) of GRPORun tiny in namespace team-a" in result.output
-    assert "2 files" in result.output and "sha256 verified" in result.output
+    assert "2 files" in result.output and "each verified" in result.output
     assert {p.name for p in dest.iterdir()} == {*ADAPTER, MANIFEST_NAME}
     assert (dest / "adapter_model.safetensors").read_bytes() == ADAPTER["adapter_model.safetensors"]
     assert AdapterManifest.model_validate_json((dest / MANIFEST_NAME).read_text()) == manifest
@@ -345,7 +348,7 @@ def test_pull_copies_the_newest_adapter_verified_and_deletes_its_pod(
 def test_pull_takes_an_existing_claim_and_an_asked_version(
     claim: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    publish(claim, "tiny", 4, ADAPTER)
+    publish(claim, "tiny", 4, ADAPTER, sha256=True)  # an earlier manifest's sha256 digests still verify
     publish(claim, "tiny", 5, {"adapter_config.json": b"newer"})
     run = a_run()
     run["spec"]["storage"] = {"existingClaim": "shared"}
@@ -370,7 +373,7 @@ def test_pull_refuses_a_file_that_differs_from_the_manifest_and_keeps_dest(
     result = invoke_pull(monkeypatch, FakeCluster(a_run()), FakePods(claim), "tiny", str(dest))
     assert result.exit_code == 1
     assert "adapter v3 does not match its manifest" in result.output
-    assert "adapter_model.safetensors: sha256" in result.output and "Traceback" not in result.output
+    assert "adapter_model.safetensors: digest blake3:" in result.output and "Traceback" not in result.output
     assert list(dest.iterdir()) == [] and [p.name for p in tmp_path.iterdir()] == ["claim", "out"]
 
 
@@ -431,8 +434,11 @@ def test_cluster_commands_are_grpo_subcommands_of_the_cli_extra() -> None:
 def test_the_cli_extra_and_the_kubectl_plugin_are_declared() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert project["scripts"]["kubectl-grpo"] == "grpo_cli.main:kubectl_plugin"
-    operator_pins = {d.split("==")[0]: d for d in project["optional-dependencies"]["operator"]}
-    assert project["optional-dependencies"]["cli"] == [operator_pins["kubernetes"]]
+    pins = {extra: {d.split("==")[0]: d for d in project["optional-dependencies"][extra]}
+            for extra in ("operator", "server", "trainer")}
+    # the operator's Kubernetes client, and the hash the trainer writes manifests with (grpo pull verifies them)
+    assert project["optional-dependencies"]["cli"] == [pins["operator"]["kubernetes"], pins["trainer"]["blake3"]]
+    assert pins["server"]["blake3"] == pins["trainer"]["blake3"]
 
 
 def test_kubectl_grpo_names_itself_as_kubectl_plugin(monkeypatch: pytest.MonkeyPatch,

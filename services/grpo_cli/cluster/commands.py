@@ -345,11 +345,11 @@ def cancel(run: str, yes: bool, namespace: str | None, kubeconfig: str | None, c
 def pull_command(run: str, dest: Path, version: int | None, force: bool, image: str | None, image_pull_policy: str,
                  timeout: int, start_timeout: int, quiet: bool, namespace: str | None, kubeconfig: str | None,
                  context: str | None) -> None:
-    """Copy a GRPORun's final adapter from its claim into the local directory DEST, sha256-verified.
+    """Copy a GRPORun's final adapter from its claim into the local directory DEST, checked against its manifest.
 
     As `grpo stage`, the other way: a short-lived non-root pod mounts the run's claim read-only and
     streams the newest published version (adapters/RUN/v<N>, with its grpo-manifest.json) through the
-    API (pods/exec); every file must match the manifest's sha256 before DEST is replaced. The pod is
+    API (pods/exec); every file must match the digest its manifest gives before DEST is replaced. The pod is
     deleted whatever happens. DEST then holds adapter_config.json, adapter_model.safetensors and
     grpo-manifest.json: PEFT and vLLM load it as a LoRA adapter.
 
@@ -377,6 +377,6 @@ def pull_command(run: str, dest: Path, version: int | None, force: bool, image: 
     manifest = pulled.manifest
     click.echo(
         f"grpo pull: adapter v{manifest.version} (step {manifest.step}) of {api.where(run)} to {dest}: "
-        f"{pulled.files} files, {pulled.size} bytes, each sha256 verified against its grpo-manifest.json "
+        f"{pulled.files} files, {pulled.size} bytes, each verified against its grpo-manifest.json "
         f"in {time.monotonic() - started:.1f} s"
     )

@@ -3,14 +3,13 @@
 The same path as `grpo stage`, the other way: a short-lived non-root pod mounts the run's claim
 read-only, `pods/exec` runs the sender (`sender.py`) in it, which streams a tar of the newest
 published version (its manifest first); each file is written here into a scratch directory beside
-DEST, hashed on the way, and must match the manifest's sha256 (no file missing, none extra) before
+DEST, hashed on the way, and must match the manifest's digests (no file missing, none extra) before
 DEST is replaced by it. The pod is deleted whatever happens.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import secrets
 import shutil
@@ -25,7 +24,7 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 from websocket import WebSocketException
 
-from grpo_api.adapters import MANIFEST_NAME, AdapterManifest
+from grpo_api.adapters import MANIFEST_NAME, AdapterManifest, FileHasher
 from grpo_api.runconfig import RunPaths
 from grpo_stage import kube as stage_kube
 from grpo_stage.errors import StageError
@@ -150,15 +149,16 @@ class Pulled:
     size: int
 
 
-def _write(source: Any, target: Path) -> tuple[str, int]:
-    digest, size = hashlib.sha256(), 0
+def _write(source: Any, target: Path, expected: str) -> tuple[str, int]:
+    """Copy source into target, hashed as `expected` was (blake3, or sha256 for an earlier manifest)."""
+    digest, size = FileHasher(like=expected), 0
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     with os.fdopen(fd, "wb") as out:
         while block := source.read(CHUNK):
             digest.update(block)
             out.write(block)
             size += len(block)
-    return digest.hexdigest(), size
+    return digest.result(), size
 
 
 def receive(stream: ExecStdout, scratch: Path, where: str) -> Pulled:
@@ -185,13 +185,13 @@ def receive(stream: ExecStdout, scratch: Path, where: str) -> Pulled:
                 raise PullError(f"{where}: the stream holds {member.name!r}, which the manifest does not name once")
             target = scratch.joinpath(*member.name.split("/"))
             target.parent.mkdir(parents=True, exist_ok=True)
-            digests[member.name], written = _write(source, target)
+            digests[member.name], written = _write(source, target, manifest.files[member.name])
             size += written
     if manifest is None:
         raise PullError(f"{where}: the stream ended before {MANIFEST_NAME}")
     problems = [f"{name}: missing" for name in sorted(set(manifest.files) - set(digests))]
     problems += [
-        f"{name}: sha256 {digests[name]}, the manifest says {want}"
+        f"{name}: digest {digests[name]}, the manifest says {want}"
         for name, want in sorted(manifest.files.items())
         if name in digests and digests[name] != want
     ]

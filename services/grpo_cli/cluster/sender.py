@@ -3,7 +3,7 @@
 It picks the adapter version under ROOT/ADAPTERS (the highest `v<N>` that holds a manifest, or
 VERSION), and writes a tar stream to stdout: the version's `grpo-manifest.json` first, then every
 file the manifest names, read without following a link. It hashes nothing: the client checks every
-file against the manifest's sha256. Refusals go to stderr with exit status 2; no version at all is
+file against the manifest's digests. Refusals go to stderr with exit status 2; no version at all is
 exit status 3.
 
 Only the standard library, and Python 3.8+: it runs in whatever image the pod uses.

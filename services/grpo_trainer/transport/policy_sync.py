@@ -199,7 +199,7 @@ class AdapterSync(PolicySync[SaveAdapter, SyncResult]):
         adapter = result.adapter
         weights = read_manifest(adapter.path).files.get(ADAPTER_WEIGHTS, "?")
         return (f"published adapter v{adapter.version} (step {step}, {reason}): {adapter.size_bytes} bytes, "
-                f"{result.seconds:.2f}s {note}, weights sha256 {weights}")
+                f"{result.seconds:.2f}s {note}, weights {weights}")
 
     def _sync(self, save: SaveAdapter, step: int) -> SyncResult:
         started = time.monotonic()
