@@ -269,6 +269,7 @@ async def logprob_consistency(client: httpx.AsyncClient, work: Workload, request
     `logprobs: 0` the prefill rescoring; |difference| of the sampled tokens' logprobs where the tokens agree."""
     diffs: list[float] = []
     identical = 0
+    requests = min(requests, len(work.prompts))
     for i in range(requests):
         body = {"model": "bench", "prompt": [work.prompts[i][:64]], "n": 1, "max_tokens": 64, "temperature": 1.0,
                 "return_token_ids": True, "ignore_eos": True, "seed": 1000 + i}

@@ -14,6 +14,9 @@
 #   bash bench/gpu/session.sh gen-weights            # a pushed-weights server (no LoRA) + logprobs vs LLM.generate plain
 #   bash bench/gpu/session.sh lora-load              # where add_lora's time goes: vLLM's host loads vs the server's GPU-resident ones
 #   bash bench/gpu/session.sh gpu-share              # two processes on one GPU: decode-shaped loop beside training (MPS=1: also under MPS)
+# prep needs blake3 (adapter manifests' digests) when the device lacks it: carry its wheel in p1,
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux_2_17_x86_64 -d .device-stage/p1 blake3==1.0.11
 # trl-async with SERVER=vllm needs watchfiles (vllm serve imports it; the bundle lacks it): carry its wheel in p1,
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux_2_17_x86_64 -d .device-stage/p1 watchfiles
@@ -57,6 +60,10 @@ make_adapter(Path('$M'), Path('$A'))"
   # vllm serve (the trl-async baseline) imports watchfiles, which the bundle lacks: carry its wheel in p1
   ls /tmp/stage/watchfiles-*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/watchfiles ] &&
     $PY -m pip install -q --no-index --no-deps --target /tmp/site /tmp/stage/watchfiles-*.whl
+  # adapter manifests hash with blake3 (a vLLM dependency the device may already have): carry its wheel in p1
+  ls /tmp/stage/blake3-*.whl >/dev/null 2>&1 && ! $PY -c "import blake3" 2>/dev/null &&
+    $PY -m pip install -q --no-index --no-deps --target /tmp/site /tmp/stage/blake3-*.whl
+  $PY -c "import blake3; print('blake3', blake3.__version__)"
   ls /tmp/stage/py_spy-*.whl >/dev/null 2>&1 && [ ! -x /tmp/pyspy/bin/py-spy ] &&
     $PY -m pip install -q --no-index --no-deps --target /tmp/pyspy /tmp/stage/py_spy-*.whl
   command -v py-spy || echo "no py-spy: benchmarks run without profiles"

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue 28 (adapter sync with BLAKE3 manifests; ours against TRL's async trainer at equal staleness) and issue 29
+# (generation on a pushed-weights server), the learning workload unless set: three device calls on a warm machine
+# where vLLM is installed in /tmp/site (../shared/device/README.md), outputs as one archive per call, $OUT/<call>.tgz:
+#   bash bench/gpu/sync_and_weights.sh call1   # prep; TRL colocate + sleep mode; ours synchronous (spec defaults)
+#   bash bench/gpu/sync_and_weights.sh call2   # TRL AsyncGRPOTrainer vs vllm serve, max_staleness 1; ours at depth 1
+#   bash bench/gpu/sync_and_weights.sh call3   # gen-weights; ours synchronous again (the run-to-run spread)
+# CAP: seconds the call may take (default 560). bench/gpu/curves.py prints each run's steps beside its curves.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH=/tmp/site
+R=$OUT; export OUT=/tmp/o; mkdir -p $OUT; S=$(date +%s)
+CAP=${CAP:-560}
+left() { echo $(( $1 - $(date +%s) + S )); }   # seconds until mark $1 of this call
+save() { tar czf "$R/$CALL.tgz" -C /tmp/o .; }   # after each run: a call cut off still returns what it measured
+CALL=${1:?call1, call2 or call3}
+case $CALL in
+  call1)  # in the call that installs vLLM
+    bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
+    ONLY=colocate NAME=colocate GRPO_TIMEOUT=200 bash bench/gpu/session.sh grpo; save
+    ONLY=server PREFETCH=0 NAME=defaults GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
+  call2)
+    SERVER=vllm STALENESS=1 TRL_TIMEOUT=$(left $(( CAP / 2 ))) bash bench/gpu/session.sh trl-async; save
+    ONLY=server PREFETCH=1 NAME=d1 GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
+  call3)
+    bash bench/gpu/session.sh gen-weights; save
+    ONLY=server PREFETCH=0 NAME=defaults-2 GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
+esac
+echo "t $(( $(date +%s)-S ))s"; save
+python3 bench/gpu/curves.py /tmp/o/*.json
