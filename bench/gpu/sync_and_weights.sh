@@ -4,7 +4,8 @@
 # where vLLM is installed in /tmp/site (../shared/device/README.md), outputs as one archive per call, $OUT/<call>.tgz:
 #   bash bench/gpu/sync_and_weights.sh call1   # prep; TRL colocate + sleep mode; ours synchronous (spec defaults)
 #   bash bench/gpu/sync_and_weights.sh call2   # TRL AsyncGRPOTrainer vs vllm serve, max_staleness 1; ours at depth 1
-#   bash bench/gpu/sync_and_weights.sh call3   # gen-weights; ours synchronous again (the run-to-run spread)
+#   bash bench/gpu/sync_and_weights.sh call3   # gen-weights; full fine-tuning (merged sync over ipc) against TRL
+#                                              # colocate at LR (default 3e-4), a rate that may learn at 64 tokens
 # CAP: seconds the call may take (default 560). bench/gpu/curves.py prints each run's steps beside its curves.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,7 +25,8 @@ case $CALL in
     ONLY=server PREFETCH=1 NAME=d1 GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
   call3)
     bash bench/gpu/session.sh gen-weights; save
-    ONLY=server PREFETCH=0 NAME=defaults-2 GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
+    TUNING=full SYNC=merged PREFETCH=0 LR=${LR:-3e-4} NAME=full GRPO_TIMEOUT=$(left $CAP) \
+      bash bench/gpu/session.sh grpo; save ;;
 esac
 echo "t $(( $(date +%s)-S ))s"; save
 python3 bench/gpu/curves.py /tmp/o/*.json
