@@ -2,7 +2,7 @@
 # Issue 28 (adapter sync with BLAKE3 manifests; ours against TRL's async trainer at equal staleness) and issue 29
 # (generation on a pushed-weights server), the learning workload unless set: three device calls on a warm machine
 # where vLLM is installed in /tmp/site (../shared/device/README.md), outputs as one archive per call, $OUT/<call>.tgz:
-#   bash bench/gpu/sync_and_weights.sh call1   # prep; TRL colocate + sleep mode; ours synchronous (spec defaults)
+#   bash bench/gpu/sync_and_weights.sh call1   # prep; the checksum bench (sha256 vs blake3); TRL colocate + sleep mode; ours synchronous (spec defaults)
 #   bash bench/gpu/sync_and_weights.sh call2   # TRL AsyncGRPOTrainer vs vllm serve, max_staleness 1; ours at depth 1
 #   bash bench/gpu/sync_and_weights.sh call3   # gen-weights; full fine-tuning (merged sync over ipc) against TRL
 #                                              # colocate at LR (default 3e-4), a rate that may learn at 64 tokens
@@ -18,6 +18,7 @@ CALL=${1:?call1, call2 or call3}
 case $CALL in
   call1)  # in the call that installs vLLM
     bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
+    PYTHONPATH=/tmp/site:services:operator:.:bench python3 bench/manifest_digest.py --out $OUT/manifest_digest.json
     ONLY=colocate NAME=colocate GRPO_TIMEOUT=200 bash bench/gpu/session.sh grpo; save
     ONLY=server PREFETCH=0 NAME=defaults GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
   call2)
