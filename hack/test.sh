@@ -31,11 +31,20 @@ checks() {
   step "ruff"
   .venv/bin/ruff check .
   step "mypy"
-  .venv/bin/mypy
+  # Its cache outlives the clean clone (~/.cache/grpo-mypy, one per mypy version): mypy checks each cached
+  # module against its file's hash, its own version and the options, so the cache only skips unchanged work.
+  MYPY_CACHE_DIR=${XDG_CACHE_HOME:-$HOME/.cache}/grpo-mypy/$(.venv/bin/python -c 'import mypy.version as v; print(v.__version__)') \
+    .venv/bin/mypy
   step "import contract (import-linter)"
   .venv/bin/lint-imports --no-cache
   step "CRD drift: crds/ must equal what the models generate"
   .venv/bin/grpo crd --check crds/grpo.dev_grporuns.yaml
+  step "bytecode of the project's sources (compileall)"
+  # Where PYTHONDONTWRITEBYTECODE is set (as in this machine's environment) no process writes a .pyc, so each
+  # of the suite's Python processes would compile the project's modules again (0.1 s of CPU for one that
+  # imports every package, measured); compiled once here, they are read. __pycache__ is ignored by git, by
+  # the images' build context and by their input hash.
+  .venv/bin/python -m compileall -q -j 0 services operator tests > /dev/null
 }
 
 WORKERS=${GRPO_TEST_WORKERS:-2}
