@@ -19,6 +19,7 @@ from tests.e2e.conftest import (
     describe,
     example_run,
     node_images,
+    node_ip,
     wait_for,
     wait_phase,
 )
@@ -144,10 +145,8 @@ def test_an_hf_model_is_fetched_once_from_a_mirror_by_the_initializer_and_the_ru
 
     run, token = "from-hub", "hf_e2e_secret_token"
     model = make_model(tmp_path_factory.mktemp("hub") / "tiny", preset="tiny", seed=0)
-    node_ip = node.kubectl("get", "node", "-o", "jsonpath={.items[0].status.addresses[?(@.type=='InternalIP')]"
-                           ".address}").stdout.strip()
     node.kubectl("create", "secret", "generic", "hub-token", "-n", NAMESPACE, f"--from-literal=token={token}")
-    with running_hub("0.0.0.0", node_ip) as hub:
+    with running_hub("0.0.0.0", node_ip(node)) as hub:
         files = repo_files(model)
         hub.add("org/tiny", files)
         spec = example_run(node, run, maxSteps=4)
