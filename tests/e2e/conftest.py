@@ -244,6 +244,20 @@ def pods(node: Node, run: str, component: str) -> list[dict[str, Any]]:
             if not p["metadata"].get("deletionTimestamp")]
 
 
+def pod_spec(node: Node, run: str, component: str) -> dict[str, Any]:
+    """The pod spec a component of a finished run ran with. Job pods stay after the Job ends; the server
+    is scaled to zero when the run ends, so its pod may already be gone: its Deployment's template is
+    what that pod ran with."""
+    if component == "server":
+        deployment = node.get("deployment", f"{run}-server")
+        assert deployment is not None, f"{run}: no server Deployment"
+        spec: dict[str, Any] = deployment["spec"]["template"]["spec"]
+        return spec
+    (pod,) = node.list("pod", f"grpo.dev/run={run},grpo.dev/component={component}")
+    found: dict[str, Any] = pod["spec"]
+    return found
+
+
 def run_status(node: Node, name: str) -> dict[str, Any]:
     run = node.get("grporun", name)
     assert run is not None, f"GRPORun {name} is gone"

@@ -6,7 +6,8 @@
   reward module from S3 (the Versity S3 gateway on the node's address, a credentials Secret, an endpoint), reports
   its settings and every step's metrics to an MLflow tracking server running in the cluster (a pod and a Service),
   and exports its adapter to S3 when training ends;
-- `warm-start` starts from that export (spec.model.adapter, s3://), which its server serves from step 0.
+- `warm-start` starts from that export (spec.model.adapter, s3://), which its server serves from step 0; its base
+  model is an oci:// image volume.
 
 The MLflow server is `mlflow server` from the trainer image, which has MLflow's client (mlflow-skinny) and the
 `mlflow` command; the few packages the server needs beyond the client (flask, sqlalchemy, alembic, ...) come as an
@@ -36,7 +37,9 @@ from tests.e2e.conftest import (
     TinyFiles,
     describe,
     example_run,
+    node_images,
     node_ip,
+    pod_spec,
     pods,
     run_status,
     wait_for,
@@ -292,15 +295,36 @@ def test_a_queued_run_from_s3_reports_to_mlflow_in_the_cluster_and_exports_to_s3
     assert (finished["status"], finished["reason"]) == ("True", "Succeeded"), finished
 
 
-def test_a_run_warm_starts_from_the_exported_adapter_which_its_server_serves_from_step_0(
-        node: Node, staged: str, s3_endpoint: str, tmp_path: Path) -> None:
+def test_a_run_of_an_oci_model_warm_starts_from_the_exported_adapter_which_its_server_serves_from_step_0(
+        node: Node, staged: str, tiny_files: TinyFiles, s3_endpoint: str, tmp_path: Path) -> None:
+    """Its base model is the same tiny model as an image holding only the model (as a team would push to its
+    registry), mounted read-only by the kubelet and containerd 2 in every pod of the run (Kubernetes image volumes);
+    its adapter is the first run's export, fetched from S3 by the initializer."""
     exported = (run_status(node, RUN).get("output") or {}).get("uri")
     assert exported, f"{RUN} exported nothing (its test failed): no adapter to start from"
-    body = from_s3(node, WARM, s3_endpoint, maxSteps=1)
-    body["spec"]["model"]["adapter"] = {"source": exported, "s3": s3_access(s3_endpoint)}
+    ref = f"{REGISTRY}/grpo-e2e/model:tiny"
+    archive = subprocess.run(["bash", "hack/images.sh", "data", "localhost/grpo-e2e-model:tiny", str(tiny_files.model),
+                              "/models/tiny"], cwd=REPO, check=True, capture_output=True, text=True,
+                             timeout=600).stdout.strip()
+    subprocess.run(["bash", "hack/cluster.sh", "push", archive, ref], cwd=REPO, check=True, timeout=300, env=node.env,
+                   capture_output=True)
+    body = example_run(node, WARM, maxSteps=1)
+    body["spec"]["model"] = {"name": "tiny-qwen2", "source": f"oci://{ref}", "path": "models/tiny",
+                             "dtype": "float32", "adapter": {"source": exported, "s3": s3_access(s3_endpoint)}}
     node.apply(body)
     status = wait_phase(node, WARM, "Succeeded", RUN_TIMEOUT_S)
     assert status["adapter"]["version"] == 2, status["adapter"]   # v1: the warm start at step 0; v2: after step 1
+
+    # the model: an image volume in every pod, read-only, pulled by the node from the registry
+    assert status["sources"]["ready"] and "/mnt/grpo/model/models/tiny" in status["sources"]["progress"], status
+    for component in ("initializer", "server", "trainer"):
+        pod = pod_spec(node, WARM, component)
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["src-model"]["image"]["reference"] == ref, volumes
+        mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+        assert mounts["src-model"]["readOnly"] is True
+    # the image reached the node only by a pull from the registry (nothing imports it under this name)
+    wait_for(lambda: ref in node_images(node), 60, what=f"{ref} among the node's images", interval=2)
 
     log = trainer_log(node, WARM)
     assert "warm start from" in log, log[-3000:]
