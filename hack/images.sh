@@ -10,6 +10,8 @@
 #                               # "REF SIZE SMOKE-LOG" for each
 #   hack/images.sh data REF DIR DEST   # an image holding only DIR at DEST (an oci:// source for the
 #                                      # tests: `hack/cluster.sh push ARCHIVE REF` pushes it); prints ARCHIVE
+#   hack/images.sh mlflow       # the MLflow tracking server's packages that the trainer image lacks, as a
+#                               # data image (tests/e2e mounts it into a trainer-image pod); prints "REF ARCHIVE"
 #
 # Images are docker-archive tarballs under ~/.cache/grpo-images, each named by a hash of its inputs
 # (Dockerfile, build arguments, project files, base image), so a warm machine skips every build and
@@ -249,10 +251,37 @@ data_image() {  # data_image REF DIR DEST : files only (no OS), as images mounte
   echo "$archive"
 }
 
+# The tracking server of the end-to-end suite runs in the cluster from the trainer image, which has MLflow's
+# client (mlflow-skinny, pyproject.toml's trainer extra) and the `mlflow` command; `mlflow server` needs these
+# too (the versions the full mlflow==3.17.2 installs; wheels for the images' CPython 3.11). They are one data image
+# of 6 MB, mounted as an image volume and put on PYTHONPATH: no image of its own (the full mlflow brings pandas,
+# scipy and scikit-learn, ~850 MB), nothing added to the trainer image, built once and cached by this list.
+MLFLOW_SERVER_PACKAGES="flask==3.1.3 flask-cors==6.0.5 werkzeug==3.1.9 itsdangerous==2.2.0 blinker==1.9.0
+  sqlalchemy==2.1.9 alembic==1.20.1 mako==1.4.3 huey==3.5.4 aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0
+  frozenlist==1.8.0 multidict==7.2.1 propcache==0.5.4 yarl==1.25.1"
+mlflow_image() {
+  local key ref archive site
+  key=$( { echo "$MLFLOW_SERVER_PACKAGES"; sed -n '/^data_image()/,/^}/p' "$0"; } | sha)
+  ref=localhost/grpo-mlflow-server-packages:$key
+  archive="$CACHE/data-$(echo "$ref" | tr -c 'A-Za-z0-9.\n-' '_').tar"
+  if [ ! -f "$archive" ]; then
+    find "$CACHE" -maxdepth 1 -name 'data-localhost_grpo-mlflow-server-packages_*.tar' -delete
+    site=$(mktemp -d)
+    # shellcheck disable=SC2086
+    "${PYTHON:-python3}" -m pip install -q --disable-pip-version-check --cache-dir "$PIP_CACHE" --no-deps \
+      --only-binary=:all: --implementation cp --python-version 3.11 --platform manylinux2014_x86_64 \
+      --target "$site/site-packages" $MLFLOW_SERVER_PACKAGES >&2
+    archive=$(data_image "$ref" "$site/site-packages" /site-packages)
+    rm -rf "$site"
+  fi
+  echo "$ref $archive"
+}
+
 case ${1:-build} in
   build) shift || true; ( flock 9; build_all "$@" ) 9>"$CACHE/.lock"; list_all ;;
   list) list_all ;;
   gpu) ( flock 9; gpu_all ) 9>"$CACHE/.lock"; list_gpu ;;
   data) [ $# -eq 4 ] || { echo "usage: $0 data REF DIR DEST" >&2; exit 2; }; data_image "$2" "$3" "$4" ;;
-  *) echo "usage: $0 build|list|gpu|data" >&2; exit 2 ;;
+  mlflow) ( flock 9; mlflow_image ) 9>"$CACHE/.lock" ;;
+  *) echo "usage: $0 build|list|gpu|data|mlflow" >&2; exit 2 ;;
 esac

@@ -99,6 +99,12 @@ def _images() -> dict[str, str]:
             if name in ("grpo-operator", "grpo-server", "grpo-trainer")}
 
 
+def node_ip(node: Node) -> str:
+    """The node's address, where its pods reach services that run on the host (a hub mirror, an S3 service)."""
+    return node.kubectl("get", "node", "-o", "jsonpath={.items[0].status.addresses[?(@.type=='InternalIP')]"
+                        ".address}").stdout.strip()
+
+
 def node_images(node: Node) -> set[str]:
     """The image names the kubelet reports for the node (what containerd holds, by tag and digest)."""
     status = node.get("node", "grpo-node", None)
@@ -171,7 +177,10 @@ def chart_ref(node: Node, tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="session")
 def operator_release(node: Node, chart_ref: str) -> str:
-    """The chart, installed from the registry as the README says, with the locally built operator image."""
+    """The chart, installed from the registry as the README says, with the locally built operator image, and Kueue
+    on (`kueue.enabled`: `grpo operator --kueue` and its RBAC), as a shared cluster runs it: runs without the queue
+    label are not affected (every test but test_platform_run.py's queued run), and Kueue itself runs only while
+    that test does."""
     node.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
     repository, tag = node.images["grpo-operator"].rsplit(":", 1)
     node.helm("upgrade", "--install", RELEASE, chart_ref, "--version", chart_version(), "--plain-http",
@@ -179,19 +188,32 @@ def operator_release(node: Node, chart_ref: str) -> str:
               "--create-namespace", "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
               "--set", f"watch.namespaces={{{NAMESPACE}}}",
               "--set", f"runImages.server={node.images['grpo-server']}",
-              "--set", f"runImages.trainer={node.images['grpo-trainer']}",
+              "--set", f"runImages.trainer={node.images['grpo-trainer']}", "--set", "kueue.enabled=true",
               "--wait", "--timeout", "180s")
     return RELEASE
 
 
+@dataclass(frozen=True)
+class TinyFiles:
+    """What the example run trains on, as files: the tiny model's folder and its prompts."""
+
+    model: Path
+    prompts: Path
+
+
 @pytest.fixture(scope="session")
-def staged(node: Node, operator_release: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The tiny model, its prompts and the example's reward module on the claim grpo-data, by `grpo stage`."""
+def tiny_files(tmp_path_factory: pytest.TempPathFactory) -> TinyFiles:
     from grpo_testmodels import make_dataset, make_model
 
-    work = tmp_path_factory.mktemp("stage")
+    work = tmp_path_factory.mktemp("tiny")
     model = make_model(work / "tiny-model", preset="tiny", seed=0)
-    prompts = make_dataset(work / "prompts.jsonl", model)
+    return TinyFiles(model=model, prompts=make_dataset(work / "prompts.jsonl", model))
+
+
+@pytest.fixture(scope="session")
+def staged(node: Node, operator_release: str, tiny_files: TinyFiles) -> str:
+    """The tiny model, its prompts and the example's reward module on the claim grpo-data, by `grpo stage`."""
+    model, prompts = tiny_files.model, tiny_files.prompts
     grpo = str(Path(sys.executable).parent / "grpo")
     _run([grpo, "stage", "-n", NAMESPACE, "--claim", MODELS_CLAIM, "--create", "2Gi",
           "--access-mode", "ReadWriteMany", "--image", node.images["grpo-trainer"],
@@ -220,6 +242,20 @@ def pods(node: Node, run: str, component: str) -> list[dict[str, Any]]:
     """The run's pods of one component that are not being deleted."""
     return [p for p in node.list("pod", f"grpo.dev/run={run},grpo.dev/component={component}")
             if not p["metadata"].get("deletionTimestamp")]
+
+
+def pod_spec(node: Node, run: str, component: str) -> dict[str, Any]:
+    """The pod spec a component of a finished run ran with. Job pods stay after the Job ends; the server
+    is scaled to zero when the run ends, so its pod may already be gone: its Deployment's template is
+    what that pod ran with."""
+    if component == "server":
+        deployment = node.get("deployment", f"{run}-server")
+        assert deployment is not None, f"{run}: no server Deployment"
+        spec: dict[str, Any] = deployment["spec"]["template"]["spec"]
+        return spec
+    (pod,) = node.list("pod", f"grpo.dev/run={run},grpo.dev/component={component}")
+    found: dict[str, Any] = pod["spec"]
+    return found
 
 
 def run_status(node: Node, name: str) -> dict[str, Any]:

@@ -1,40 +1,24 @@
 """Sources on a real node: a run whose sources cannot be used fails before any server (the
 initializer, the trainer image's `grpo prepare`, names the problem, the Job's podFailurePolicy stops
 it at once, the run is Failed/SourceUnavailable with its words); an hf:// model is fetched once from
-a mirror by the initializer and trained on; an oci:// model is an image volume. The ConfigMap and
-claim sources are the example's own (tests/e2e/test_example_run.py)."""
+a mirror by the initializer and trained on. The ConfigMap and claim sources are the example's own
+(tests/e2e/test_example_run.py); s3:// sources and an oci:// model (an image volume) are test_platform_run.py's."""
 
 from __future__ import annotations
-
-import os
-import subprocess
 
 import pytest
 
 from tests.e2e.conftest import (
     NAMESPACE,
-    REGISTRY,
-    REPO,
     Node,
     describe,
     example_run,
-    node_images,
+    node_ip,
+    pod_spec,
     wait_for,
     wait_phase,
 )
 from tests.fixtures.hub import repo_files, running_hub
-
-
-def pod_spec(node: Node, run: str, component: str) -> dict:
-    """The pod spec a component of a finished run ran with. Job pods stay after the Job ends; the server
-    is scaled to zero when the run ends, so its pod may already be gone: its Deployment's template is
-    what that pod ran with."""
-    if component == "server":
-        deployment = node.get("deployment", f"{run}-server")
-        assert deployment is not None, f"{run}: no server Deployment"
-        return deployment["spec"]["template"]["spec"]
-    (pod,) = node.list("pod", f"grpo.dev/run={run},grpo.dev/component={component}")
-    return pod["spec"]
 
 
 def fails_before_any_server(node: Node, run: str) -> dict:
@@ -144,10 +128,8 @@ def test_an_hf_model_is_fetched_once_from_a_mirror_by_the_initializer_and_the_ru
 
     run, token = "from-hub", "hf_e2e_secret_token"
     model = make_model(tmp_path_factory.mktemp("hub") / "tiny", preset="tiny", seed=0)
-    node_ip = node.kubectl("get", "node", "-o", "jsonpath={.items[0].status.addresses[?(@.type=='InternalIP')]"
-                           ".address}").stdout.strip()
     node.kubectl("create", "secret", "generic", "hub-token", "-n", NAMESPACE, f"--from-literal=token={token}")
-    with running_hub("0.0.0.0", node_ip) as hub:
+    with running_hub("0.0.0.0", node_ip(node)) as hub:
         files = repo_files(model)
         hub.add("org/tiny", files)
         spec = example_run(node, run, maxSteps=4)
@@ -164,33 +146,3 @@ def test_an_hf_model_is_fetched_once_from_a_mirror_by_the_initializer_and_the_ru
     for component in ("server", "trainer"):
         env = pod_spec(node, run, component)["containers"][0].get("env", [])
         assert not [e for e in env if "secretKeyRef" in (e.get("valueFrom") or {})], env
-
-
-def test_an_oci_image_model_is_mounted_as_an_image_volume_and_trained_on(
-        node: Node, staged: str, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """oci:// on the node: an image holding only the model (as a team would push to its registry) is
-    mounted read-only by the kubelet and containerd 2 in every pod of the run (Kubernetes image volumes)."""
-    from grpo_testmodels import make_model
-
-    run, ref = "from-image", f"{REGISTRY}/grpo-e2e/model:tiny"
-    model = make_model(tmp_path_factory.mktemp("image") / "tiny", preset="tiny", seed=0)
-    archive = subprocess.run(["bash", "hack/images.sh", "data", "localhost/grpo-e2e-model:tiny", str(model),
-                              "/models/tiny"], cwd=REPO, check=True, capture_output=True, text=True,
-                             timeout=600).stdout.strip()
-    subprocess.run(["bash", "hack/cluster.sh", "push", archive, ref], cwd=REPO, check=True, timeout=300,
-                   env={**os.environ, **node.env})
-    spec = example_run(node, run, maxSteps=4)
-    spec["spec"]["model"] = {"name": "tiny-qwen2", "source": f"oci://{ref}", "path": "models/tiny",
-                             "dtype": "float32"}
-    node.apply(spec)
-    status = wait_phase(node, run, "Succeeded", 15 * 60)
-
-    assert status["sources"]["ready"] and "/mnt/grpo/model/models/tiny" in status["sources"]["progress"], status
-    for component in ("initializer", "server", "trainer"):
-        pod = pod_spec(node, run, component)
-        volumes = {v["name"]: v for v in pod["volumes"]}
-        assert volumes["src-model"]["image"]["reference"] == ref, volumes
-        mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
-        assert mounts["src-model"]["readOnly"] is True
-    # the image reached the node only by a pull from the registry (nothing imports it under this name)
-    wait_for(lambda: ref in node_images(node), 60, what=f"{ref} among the node's images", interval=2)
