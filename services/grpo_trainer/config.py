@@ -30,6 +30,30 @@ TRACKER_MODULES: dict[str, tuple[str, ...]] = {
 }
 
 
+#: The MLflow client's HTTP limits unless the spec's env sets them: its defaults (7 retries with backoff factor 2, 120 s
+#: a request, made for rate limits) keep a trainer whose tracking server is gone retrying one request for ~4 minutes,
+#: at every step and again after the last one, where the run looks hung. These fail such a request within ~10 s
+#: (refused) or ~2 minutes (no answer) and ride out a restart of a few seconds.
+MLFLOW_CLIENT_LIMITS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+}
+
+
+def tracker_environment(spec: GRPORunSpec) -> dict[str, str]:
+    """Environment defaults for the trackers (the trainer sets each unless already set, as by spec.trainer.env).
+
+    Reporting to MLflow: the client's HTTP limits above. Not reporting to it: transformers' own switch
+    DISABLE_MLFLOW_INTEGRATION, since TRL's profiling module imports mlflow whenever transformers finds it installed
+    (1.7 s of a rank's start on a CPU core, a quarter of its imports). Nothing else reads that switch: the trackers are
+    callbacks named by report_to, and image_capabilities looks for their packages itself.
+    """
+    if Tracker.MLFLOW in spec.trainer.report_to:
+        return dict(MLFLOW_CLIENT_LIMITS)
+    return {"DISABLE_MLFLOW_INTEGRATION": "TRUE"}
+
+
 @dataclass(frozen=True)
 class Platform:
     """What this machine offers."""

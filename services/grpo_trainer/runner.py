@@ -24,7 +24,7 @@ from grpo_api.protocol import ENV_ATTEMPT, HealthResponse, TrainingProgress
 from grpo_api.runconfig import RunConfig, RunConfigError, load_run_config
 from grpo_api.weight_transfer import ENV_WEIGHT_TRANSFER, resolve_weight_transfer
 from grpo_trainer.checkpoints import AttemptFence, latest_complete, remove_incomplete
-from grpo_trainer.config import Platform
+from grpo_trainer.config import Platform, tracker_environment
 from grpo_trainer.errors import InvalidSpec, ServerMismatch, TrainingFailed, exit_code
 from grpo_trainer.image_capabilities import available_trackers
 from grpo_trainer.launch import end_on_sigterm, launch, needs_launch, rank, report_exit, world_size
@@ -206,7 +206,8 @@ def _train(
     """Assemble the attempt's parts, in the order that fails soonest (what this process and TRL support, the
     dataset, the rewards, TRL's settings, then the model), and run them."""
     # Heavy imports only once the run is known to be viable; each part imports what it needs.
-    _skip_unreported_mlflow(cfg)
+    for name, value in tracker_environment(cfg.spec).items():
+        os.environ.setdefault(name, value)
     import torch
 
     t = cfg.spec.trainer
@@ -230,15 +231,6 @@ class _TrainingInputs(NamedTuple):
     dataset: Any
     reward_funcs: list[RewardFunc]
     reward_weights: list[float]
-
-
-def _skip_unreported_mlflow(cfg: RunConfig) -> None:
-    """TRL's profiling module imports mlflow whenever transformers finds it installed (1.7 s of a rank's start on
-    a CPU core, a quarter of its imports); unless spec.trainer.reportTo names it, transformers' own switch tells it
-    that mlflow is not there. Nothing else reads that switch: the trackers are callbacks named by report_to, and
-    image_capabilities looks for their packages itself."""
-    if "mlflow" not in {str(tracker) for tracker in cfg.spec.trainer.report_to}:
-        os.environ.setdefault("DISABLE_MLFLOW_INTEGRATION", "TRUE")
 
 
 def _checked_platform(cfg: RunConfig, torch: Any) -> Platform:

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+
 import pytest
 from prometheus_client import generate_latest
 from trl import GRPOConfig
 
 from grpo_api.models import GRPORunSpec
-from grpo_trainer.config import Platform, check_supported, grpo_config_kwargs, lora_config_kwargs
+from grpo_trainer.config import (
+    MLFLOW_CLIENT_LIMITS,
+    Platform,
+    check_supported,
+    grpo_config_kwargs,
+    lora_config_kwargs,
+    tracker_environment,
+)
 from grpo_trainer.errors import UnsupportedSetting
 from grpo_trainer.metrics import METRIC_NAMES, TrainerMetrics, metrics_port
 
@@ -114,6 +126,25 @@ def test_report_to_reaches_trl_and_a_tracker_the_image_lacks_is_refused_naming_t
                                                                        bitsandbytes=False,
                                                                        trackers=frozenset({"mlflow"})))
 
+
+def test_with_the_trainers_mlflow_limits_a_tracking_server_that_is_gone_fails_a_request_in_seconds():
+    """MLflow's own limits retry one request for ~4 minutes (the run looked hung after its last step when the
+    tracking server had gone); the trainer's defaults, set unless the spec's env sets them, fail it in seconds."""
+    assert tracker_environment(spec()) == {"DISABLE_MLFLOW_INTEGRATION": "TRUE"}  # TRL then skips importing mlflow
+    limits = tracker_environment(spec(reportTo=["tensorboard", "mlflow"]))
+    assert limits == MLFLOW_CLIENT_LIMITS
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = (f"import time, mlflow\nmlflow.set_tracking_uri('http://127.0.0.1:{port}')\nt = time.monotonic()\n"
+            "try:\n    mlflow.MlflowClient().get_experiment_by_name('grpo')\n"
+            "except Exception as exc:\n    print('failed', type(exc).__name__, time.monotonic() - t)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    proc = subprocess.run([sys.executable, "-c", code], env={**env, **limits}, capture_output=True, text=True,
+                          timeout=120)
+    words = proc.stdout.split()
+    assert words[:1] == ["failed"], proc.stdout + proc.stderr[-2000:]
+    assert 1 < float(words[2]) < 30, proc.stdout  # it did retry, and gave up within seconds
 
 def test_this_image_has_the_packages_of_every_tracker_but_trackio():
     """The trainer extra installs tensorboardX, the MLflow client and W&B; trackio only in an image that adds it."""
