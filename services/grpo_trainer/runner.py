@@ -9,10 +9,11 @@ no retry fixes is told apart from a failure the next attempt may not meet).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -166,8 +167,9 @@ def run_training(cfg: RunConfig, *, attempt: int) -> TrainingProgress:
     else:
         sync = AdapterSync(store, pool, metrics, retry_seconds=t.generation_timeout_seconds)
     try:
-        return _train(cfg, attempt=attempt, model_dir=model_dir, resume=resume, metrics=metrics, sync=sync, pool=pool,
-                      health=health, fence=fence, warm=warm)
+        with _environment_defaults(tracker_environment(cfg.spec)):
+            return _train(cfg, attempt=attempt, model_dir=model_dir, resume=resume, metrics=metrics, sync=sync,
+                          pool=pool, health=health, fence=fence, warm=warm)
     finally:
         sync.close()
         if pool is not None:
@@ -190,6 +192,19 @@ def warm_adapter(cfg: RunConfig, model_dir: Path, fingerprint: str) -> WarmAdapt
     return adapter
 
 
+@contextlib.contextmanager
+def _environment_defaults(defaults: Mapping[str, str]) -> Iterator[None]:
+    """Set each variable the environment lacks (the spec's env, already there, wins) while training, and take them
+    away again after: a process that trains twice (the tests run the trainer in-process) starts the second clean."""
+    added = [name for name in defaults if name not in os.environ]
+    os.environ.update({name: defaults[name] for name in added})
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
 def _train(
     cfg: RunConfig,
     *,
@@ -206,8 +221,6 @@ def _train(
     """Assemble the attempt's parts, in the order that fails soonest (what this process and TRL support, the
     dataset, the rewards, TRL's settings, then the model), and run them."""
     # Heavy imports only once the run is known to be viable; each part imports what it needs.
-    for name, value in tracker_environment(cfg.spec).items():
-        os.environ.setdefault(name, value)
     import torch
 
     t = cfg.spec.trainer

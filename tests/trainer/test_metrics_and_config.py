@@ -207,3 +207,20 @@ def test_the_image_check_imports_vllm_as_the_trainer_would(monkeypatch: pytest.M
     monkeypatch.setenv("GRPO_WEIGHT_TRANSFER", "ipc")
     check_trainer_image(full_spec(tuning="full"))
     check_trainer_image(full_spec())
+
+
+def test_the_trackers_env_defaults_leave_a_set_value_alone_and_are_gone_after_training(monkeypatch):
+    """A process that trains twice (the trainer tests run it in-process, and the local runner's processes inherit
+    their environment) must not keep one run's defaults: DISABLE_MLFLOW_INTEGRATION left behind failed a later
+    run that reports to MLflow (CI, 2026-12-06)."""
+    from grpo_trainer.runner import _environment_defaults
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")  # as spec.trainer.env would set it
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    monkeypatch.delenv("DISABLE_MLFLOW_INTEGRATION", raising=False)
+    with _environment_defaults(tracker_environment(spec(reportTo=["mlflow"]))):
+        assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "5" and os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "3"
+    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ and os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "5"
+    with _environment_defaults(tracker_environment(spec())):
+        assert os.environ["DISABLE_MLFLOW_INTEGRATION"] == "TRUE"
+    assert "DISABLE_MLFLOW_INTEGRATION" not in os.environ
