@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -57,7 +59,7 @@ def busy(stop: threading.Event) -> None:
             total += i * i
 
 
-def timed(check: Callable[[Path], None], weights: Path, repeats: int, beside_busy: bool) -> list[float]:
+def timed(check: Callable[[Path], object], weights: Path, repeats: int, beside_busy: bool) -> list[float]:
     stop = threading.Event()
     thread = threading.Thread(target=busy, args=(stop,), daemon=True)
     if beside_busy:
@@ -75,33 +77,47 @@ def timed(check: Callable[[Path], None], weights: Path, repeats: int, beside_bus
             thread.join()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rank", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    results: dict[str, object] = {"machine": platform.platform(), "cpus": torch.get_num_threads(),
-                                  "rank": args.rank, "repeats": args.repeats}
-    with tempfile.TemporaryDirectory() as tmp:
-        weights = make_adapter(Path(tmp), args.rank)
-        results["adapter_mb"] = round(weights.stat().st_size / 1e6, 1)
-        for label, check in (("per_tensor_torch", _check_finite_by_tensor), ("bits_numpy", _check_finite)):
-            for beside_busy in (False, True):
-                seconds = timed(check, weights, args.repeats, beside_busy)
-                key = f"{label}_{'busy' if beside_busy else 'idle'}_s"
-                results[key] = round(statistics.median(seconds), 4)
-                print(f"{key:32s} median {statistics.median(seconds):8.3f} s  runs {[round(s, 3) for s in seconds]}",
-                      flush=True)
+def compare(results: dict[str, object], variants: list[tuple[str, Callable[[Path], object]]], weights: Path,
+            repeats: int) -> None:
+    """Time each (label, check) idle and beside a busy thread into results (`<label>_<idle|busy>_s`, medians), and
+    the first's time over the second's as `speedup_<idle|busy>`."""
+    for label, check in variants:
+        for beside_busy in (False, True):
+            seconds = timed(check, weights, repeats, beside_busy)
+            key = f"{label}_{'busy' if beside_busy else 'idle'}_s"
+            results[key] = round(statistics.median(seconds), 4)
+            print(f"{key:32s} median {statistics.median(seconds):8.4f} s  runs {[round(s, 4) for s in seconds]}",
+                  flush=True)
+    (old_label, _), (new_label, _) = variants
     for where in ("idle", "busy"):
-        old, new = results[f"per_tensor_torch_{where}_s"], results[f"bits_numpy_{where}_s"]
+        old, new = results[f"{old_label}_{where}_s"], results[f"{new_label}_{where}_s"]
         assert isinstance(old, float) and isinstance(new, float)
         results[f"speedup_{where}"] = round(old / new, 1) if new else None
         print(f"speedup {where}: {results[f'speedup_{where}']}x")
+
+
+def bench_main(argv: list[str] | None, doc: str | None, variants: list[tuple[str, Callable[[Path], object]]],
+               repeats: int = 3) -> int:
+    """The command line of a bench comparing two checks of the r-rank adapter (`compare`), its JSON in --out."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    results: dict[str, object] = {"machine": platform.platform(), "cpus": os.cpu_count(), "rank": args.rank,
+                                  "repeats": args.repeats, "command": " ".join(sys.argv)}
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = make_adapter(Path(tmp), args.rank)
+        results["adapter_mb"] = round(weights.stat().st_size / 1e6, 1)
+        compare(results, variants, weights, args.repeats)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main(argv, __doc__, [("per_tensor_torch", _check_finite_by_tensor), ("bits_numpy", _check_finite)])
 
 
 if __name__ == "__main__":
