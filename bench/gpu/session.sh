@@ -121,7 +121,7 @@ gen_server() {
     --direct "$OUT/gen_direct.json" --offline "${OFFLINE:-$OUT/gen_offline.json}" --profile "$OUT/profile" ${SKIP_RELOAD:+--skip-reload} \
     2>&1 | tail -30 > "$OUT/gen_http.log"
   cp /tmp/grpo-bench-*/server.log "$OUT/gen_http_server.log" 2>/dev/null
-  tail -5 "$OUT/gen_direct.log" "$OUT/gen_http.log"
+  tail -n 5 "$OUT/gen_direct.log" "$OUT/gen_http.log"
 }
 
 trainer_gpu_tests() {
@@ -168,7 +168,7 @@ gen_weights() {
   timeout 300 $PY bench/gen_server.py http --weights ipc --model $M --adapter $A --out "$OUT/gen_http_weights.json" \
     --offline "$OUT/gen_offline_quick.json" 2>&1 | tail -30 > "$OUT/gen_http_weights.log"
   cp /tmp/grpo-bench-*/server.log "$OUT/gen_http_weights_server.log" 2>/dev/null
-  tail -4 "$OUT/gen_offline_quick.log" "$OUT/gen_http_weights.log"
+  tail -n 4 "$OUT/gen_offline_quick.log" "$OUT/gen_http_weights.log"
 }
 
 lora_load() {

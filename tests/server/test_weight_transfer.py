@@ -45,14 +45,17 @@ def shapes(server: RunningServer, model_dir: Path, names: list[str]) -> list[lis
 
 def push(server: RunningServer, model_dir: Path, kind: str, names: list[str], *, dtype: str = "float32",
          version: int | None = None) -> tuple[httpx.Response, httpx.Response, httpx.Response]:
-    """One update by a fresh sender: init, start, update (while it broadcasts), finish; their answers."""
-    port = free_port()
+    """One update by a fresh sender: init, start, update (while it broadcasts), finish; their answers.
+
+    The server is asked to join only once the sender says where it hosts the rendezvous: a sender still
+    importing torch on a loaded machine would otherwise outlast the server's rendezvous deadline."""
     sender = subprocess.Popen(
-        [sys.executable, "-m", "tests.server.weight_sender", "--model", str(model_dir), "--port", str(port),
+        [sys.executable, "-m", "tests.server.weight_sender", "--model", str(model_dir),
          "--kind", kind, "--names", json.dumps(names), "--dtype", dtype],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
+        port = hosted_port(sender)
         init = post(server, "/init_weight_transfer_engine", {"init_info": {
             "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}})
         assert init.status_code == 200, (init.text, sender.stdout.read() if sender.poll() is not None else "")
@@ -63,6 +66,17 @@ def push(server: RunningServer, model_dir: Path, kind: str, names: list[str], *,
         return init, update, finish
     finally:
         sender.wait(60)
+
+
+def hosted_port(sender: subprocess.Popen[str]) -> int:
+    """The port of the sender's store, from its `hosting PORT` line (what it printed before, if it died)."""
+    assert sender.stdout is not None
+    seen = []
+    for line in sender.stdout:
+        if line.startswith("hosting "):
+            return int(line.split()[1])
+        seen.append(line)
+    raise AssertionError(f"the sender exited ({sender.wait()}) before hosting its rendezvous: {''.join(seen)[-2000:]}")
 
 
 def test_the_routes_need_the_token_and_an_initialised_group(server):
@@ -92,9 +106,7 @@ def test_no_update_while_an_adapter_is_loaded(server, served_model_dir):
     maker = LoraMaker(served_model_dir)
     path = maker.save(server.adapter_root / "x-v1", seed=1)
     assert post(server, "/v1/load_lora_adapter", {"lora_name": "x-v1", "lora_path": str(path)}).status_code == 200
-    port = free_port()
-    store_holder = threading.Thread(target=_host_rendezvous, args=(port,), daemon=True)
-    store_holder.start()
+    port = host_rendezvous()
     assert post(server, "/init_weight_transfer_engine", {"init_info": {
         "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}}).status_code == 200
     refused = post(server, "/start_weight_update")
@@ -103,16 +115,24 @@ def test_no_update_while_an_adapter_is_loaded(server, served_model_dir):
     assert post(server, "/v1/unload_lora_adapter", {"lora_name": "x-v1"}).status_code == 200
 
 
-def _host_rendezvous(port: int) -> None:
-    """A trainer that joins and never sends (the group is all `init` needs)."""
+def host_rendezvous() -> int:
+    """A trainer that joins and never sends (the group is all `init` needs): its store's port.
+
+    The store binds a port the kernel picks, before the server is asked to join (a port chosen beforehand
+    could be taken by another process's connection first); the group forms on a thread once the server joins."""
     import datetime as dt
 
     import torch.distributed as dist
 
     limit = dt.timedelta(seconds=60)
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=limit, wait_for_workers=False)
-    dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), 0, 2, limit)
-    threading.Event().wait(60)
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=limit, wait_for_workers=False)
+
+    def hold() -> None:
+        dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), 0, 2, limit)
+        threading.Event().wait(60)
+
+    threading.Thread(target=hold, daemon=True).start()
+    return int(store.port)
 
 
 def test_pushed_weights_serve_from_the_next_request_with_their_version_and_the_originals_restore_them(
@@ -162,8 +182,7 @@ def test_a_refused_or_failed_update_never_serves(server, served_model_dir):
     before = complete(server)
     version = before.headers[WEIGHTS_VERSION_HEADER]
     names = mlp_and_norm_names(served_model_dir)
-    port = free_port()
-    threading.Thread(target=_host_rendezvous, args=(port,), daemon=True).start()
+    port = host_rendezvous()
     assert post(server, "/init_weight_transfer_engine", {"init_info": {
         "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}}).status_code == 200
     assert post(server, "/start_weight_update").status_code == 200

@@ -22,7 +22,7 @@ import pytest
 
 from grpo_api.weight_transfer import WEIGHTS_VERSION_HEADER
 from grpo_server.engines.gloo_weights import STORE_PREFIX
-from tests.fixtures.server import RunningServer, free_port, start_server
+from tests.fixtures.server import RunningServer, start_server
 from tests.fixtures.server_requests import post
 from tests.server.adapters import LoraMaker
 
@@ -63,15 +63,16 @@ class Trainer:
     def __init__(self) -> None:
         import torch.distributed as dist
 
-        self.port = free_port()
         self._limit = dt.timedelta(seconds=60)
         self._group: Any = None
         self._joined = threading.Event()
+        # a port the kernel picks, bound before the server is asked to join (one chosen beforehand could be
+        # taken by another process's connection first); the group forms on a thread once the server joins
+        store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=self._limit, wait_for_workers=False)
+        self._store = store
+        self.port = int(store.port)
 
         def host() -> None:
-            store = dist.TCPStore("127.0.0.1", self.port, 2, is_master=True, timeout=self._limit,
-                                  wait_for_workers=False)
-            self._store = store
             self._group = dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), 0, 2, self._limit)
             self._joined.set()
 
