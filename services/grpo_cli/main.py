@@ -47,7 +47,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "pull": (
         "grpo_cli.cluster.commands:pull_command",
         "cli",
-        "Copy a run's final adapter from its claim to a local directory, sha256-verified.",
+        "Copy a run's final adapter from its claim to a local directory, every file checked against its manifest.",
     ),
     "suspend": ("grpo_cli.cluster.commands:suspend", "cli", "Suspend a run (spec.runPolicy.suspend: true)."),
     "resume": ("grpo_cli.cluster.commands:resume", "cli", "Resume a suspended run (spec.runPolicy.suspend: false)."),
