@@ -139,9 +139,8 @@ class PushPhases:
         finally:
             self.seen[phase] = time.monotonic() - started
 
-    def server(self, phase: str, seconds: float | None) -> None:
-        if seconds is not None:
-            self.by_server[phase] = seconds
+    def server(self, phase: str, seconds: float) -> None:
+        self.by_server[phase] = seconds
 
     def describe(self) -> str:
         """`health 0.004 s, copies 0.000 s, join 0.000 s, start 0.010 s, send 0.150 s (server 0.140 s), ...`."""
@@ -172,8 +171,8 @@ class Channel:
     def _prepare(self, client: ServerClient) -> None:
         """What must precede `/start_weight_update` (joining the group)."""
 
-    def _send(self, client: ServerClient, snapshot: WeightSnapshot) -> float | None:
-        """Move the tensors; the seconds the server spent in `/update_weights` when one call carried them all."""
+    def _send(self, client: ServerClient, snapshot: WeightSnapshot) -> float:
+        """Move the tensors; the seconds the server spent in its `/update_weights`."""
         raise NotImplementedError
 
     def reset(self) -> None:
@@ -188,7 +187,7 @@ class IpcChannel(Channel):
 
     backend = "ipc"
 
-    def _send(self, client: ServerClient, snapshot: WeightSnapshot) -> float | None:
+    def _send(self, client: ServerClient, snapshot: WeightSnapshot) -> float:
         from grpo_trainer.transport.weight_ipc import ipc_update_info
 
         # The copies stay alive (the snapshot holds them) until the server answered.
@@ -238,7 +237,7 @@ class GroupChannel(Channel):
     def _broadcast(self, tensor: Any) -> None:
         raise NotImplementedError
 
-    def _send(self, client: ServerClient, snapshot: WeightSnapshot) -> float | None:
+    def _send(self, client: ServerClient, snapshot: WeightSnapshot) -> float:
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpo-weight-update") as pool:
             answered = pool.submit(client.weight_transfer, "update_weights", {"update_info": update_info(snapshot)},
                                    timeout=RENDEZVOUS_SECONDS)
