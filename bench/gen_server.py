@@ -121,12 +121,12 @@ async def direct(model: Path, adapter: Path, work: Workload) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------- http
 
 
-def start_server(model: Path, work_dir: Path, port: int,
-                 weights: str | None = None) -> tuple[subprocess.Popen[bytes], Path, float]:
+def start_server(model: Path, work_dir: Path, port: int, weights: str | None = None,
+                 overrides: dict[str, Any] | None = None) -> tuple[subprocess.Popen[bytes], Path, float]:
     """`grpo serve` on the model; `weights` (ipc, nccl): a server that takes pushed weights (a merged-sync run's:
-    LoRA off, vLLM's weight transfer on)."""
+    LoRA off, vLLM's weight transfer on). `overrides` are merged into spec.server (a CPU smoke's engine)."""
     trainer: dict[str, Any] = {"lora": {"r": 32, "alpha": 64}}
-    server = dict(SERVER)
+    server = {**SERVER, **(overrides or {})}
     if weights is not None:
         trainer["sync"] = "merged"
         server["weightTransfer"] = weights

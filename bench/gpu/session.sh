@@ -10,6 +10,7 @@
 #   bash bench/gpu/session.sh lora-decode            # LoRA decode cost at step batch sizes, per vLLM setting
 #   bash bench/gpu/session.sh trainer-gpu-tests      # the trainer's CUDA-only tests (needs TRL, no vLLM)
 #   bash bench/gpu/session.sh weight-transfer-tests  # vLLM weight transfer (ipc) on the vllm engine, pytest
+#   bash bench/gpu/session.sh weight-push            # a full push's phases: packed snapshot vs a tensor per allocation
 #   bash bench/gpu/session.sh trl-async              # TRL 1.16 AsyncGRPOTrainer (LoRA sync) vs vllm serve or grpo serve
 #   bash bench/gpu/session.sh gen-weights            # a pushed-weights server (no LoRA) + logprobs vs LLM.generate plain
 #   bash bench/gpu/session.sh lora-load              # where add_lora's time goes: vLLM's host loads vs the server's GPU-resident ones
@@ -149,6 +150,14 @@ weight_transfer_tests() {
   tail -15 "$OUT/weight_transfer_tests.log"
 }
 
+weight_push() {
+  log "full push of the 1.5B shape over ipc: packed snapshot vs separate allocations (bench/weight_push.py)"
+  timeout ${PUSH_TIMEOUT:-300} $PY bench/weight_push.py --model $M --out "$OUT/weight_push.json" \
+    > "$OUT/weight_push.log" 2>&1
+  cp /tmp/grpo-bench-push-*/server.log "$OUT/weight_push_server.log" 2>/dev/null
+  tail -n 3 "$OUT/weight_push.log"
+}
+
 trl_async() {
   local server=${SERVER:-vllm}
   log "TRL AsyncGRPOTrainer against $server serve, max_staleness ${STALENESS:-2}, ${STEPS:-20} steps"
@@ -188,7 +197,7 @@ for phase in "$@"; do
   free_gpu
   case $phase in
     prep) prep ;; weight-transfer-tests) weight_transfer_tests ;; server-tests) server_tests ;; hardening-tests) hardening_tests ;; grpo) grpo ;; gen-offline) gen_offline ;; gen-server) gen_server ;;
-    lora-decode) lora_decode ;; trainer-gpu-tests) trainer_gpu_tests ;;
+    lora-decode) lora_decode ;; trainer-gpu-tests) trainer_gpu_tests ;; weight-push) weight_push ;;
     trl-async) trl_async ;; gpu-share) gpu_share ;; lora-load) lora_load ;; gen-weights) gen_weights ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac

@@ -6,6 +6,8 @@
 #   bash bench/gpu/sync_and_weights.sh call2   # TRL AsyncGRPOTrainer vs vllm serve, max_staleness 1; ours at depth 1
 #   bash bench/gpu/sync_and_weights.sh call3   # gen-weights; full fine-tuning (merged sync over ipc) against TRL
 #                                              # colocate at LR (default 3e-4), a rate that may learn at 64 tokens
+#   bash bench/gpu/sync_and_weights.sh push    # prep; a full push's phases, packed vs separate; the ipc weight tests
+#   bash bench/gpu/sync_and_weights.sh full    # full fine-tuning against TRL colocate at LR (default 3e-4)
 # CAP: seconds the call may take (default 560). bench/gpu/curves.py prints each run's steps beside its curves.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -14,7 +16,7 @@ R=$OUT; export OUT=/tmp/o; mkdir -p $OUT; S=$(date +%s)
 CAP=${CAP:-560}
 left() { echo $(( $1 - $(date +%s) + S )); }   # seconds until mark $1 of this call
 save() { tar czf "$R/$CALL.tgz" -C /tmp/o .; }   # after each run: a call cut off still returns what it measured
-CALL=${1:?call1, call2 or call3}
+CALL=${1:?call1, call2, call3, push or full}
 case $CALL in
   call1)  # in the call that installs vLLM
     bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
@@ -28,6 +30,12 @@ case $CALL in
     bash bench/gpu/session.sh gen-weights; save
     TUNING=full SYNC=merged PREFETCH=0 LR=${LR:-3e-4} NAME=full GRPO_TIMEOUT=$(left $CAP) \
       bash bench/gpu/session.sh grpo; save ;;
+  push)  # in the call that installs vLLM
+    bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
+    PUSH_TIMEOUT=$(left $(( CAP - 150 ))) bash bench/gpu/session.sh weight-push; save
+    TESTS_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh weight-transfer-tests; save ;;
+  full)
+    TUNING=full PREFETCH=0 LR=${LR:-3e-4} NAME=full GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
 esac
 echo "t $(( $(date +%s)-S ))s"; save
 python3 bench/gpu/curves.py /tmp/o/*.json

@@ -76,13 +76,16 @@ def post(server: RunningServer, path: str, body: dict[str, Any] | None = None, a
 
 
 def push(server: RunningServer, model_dir: Path, work: Path, kind: str, names: list[str], *,
-         version: int | None = None, bad_uuid: bool = False, split_last: bool = False) -> dict[str, Any]:
+         version: int | None = None, bad_uuid: bool = False, split_last: bool = False,
+         separate: bool = False) -> dict[str, Any]:
     """One update from a fresh sender process: init, start, /update_weights (one call, or with
-    `split_last` a second call for the last tensor), finish; the answers by route ("update": a list)."""
-    out = work / f"update-{kind}-{version}-{bad_uuid}-{split_last}.json"
+    `split_last` a second call for the last tensor), finish; the answers by route ("update": a list).
+    The sender packs its tensors into one buffer as the trainer does, or with `separate` shares each alone."""
+    out = work / f"update-{kind}-{version}-{bad_uuid}-{split_last}-{separate}.json"
     sender = subprocess.Popen(
         [sys.executable, "-m", "tests.server.weight_ipc_sender", "--model", str(model_dir), "--kind", kind,
-         "--names", json.dumps(names), "--out", str(out), *(["--bad-uuid"] if bad_uuid else [])],
+         "--names", json.dumps(names), "--out", str(out), *(["--bad-uuid"] if bad_uuid else []),
+         *(["--separate"] if separate else [])],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     assert sender.stdin is not None and sender.stdout is not None
@@ -143,31 +146,36 @@ def test_the_routes_need_the_token_and_ipc_takes_no_group(server):
     assert complete(server).status_code == 200  # nothing was received: nothing held, nothing changed
 
 
+@pytest.mark.parametrize("separate", [False, True], ids=["packed", "separate"])
 def test_pushed_weights_serve_with_their_version_and_the_originals_come_back_exactly(
-    server, served_model_dir, tmp_path,
+    server, served_model_dir, tmp_path, separate,
 ):
+    """Packed (views of one buffer sharing one handle, as the trainer sends them) or each tensor alone. Versions
+    only move forward on a server: the separate case, which runs second, names versions above the packed case's."""
+    base = 10 if separate else 0
     before = complete(server)
-    assert version_of(before) == "0"
+    assert version_of(before) == "0"  # the packed case ends with the checkpoint restored from disk
     names = every_name(served_model_dir)
 
-    scaled = push(server, served_model_dir, tmp_path, "scaled", names)
+    scaled = push(server, served_model_dir, tmp_path, "scaled", names, version=base + 1, separate=separate)
     [update] = scaled["update"]
     assert update.status_code == 200 and update.json()["tensors"] == len(names), update.text
-    assert scaled["finish"].status_code == 200 and scaled["finish"].json()["weights_version"] == 1, \
+    assert scaled["finish"].status_code == 200 and scaled["finish"].json()["weights_version"] == base + 1, \
         scaled["finish"].text
     changed = complete(server)
-    assert version_of(changed) == "1"
+    assert version_of(changed) == str(base + 1)
     assert token_ids(changed) != token_ids(before)
-    assert httpx.get(server.url + "/health/", timeout=30).json()["weights_version"] == 1
+    assert httpx.get(server.url + "/health/", timeout=30).json()["weights_version"] == base + 1
 
-    original = push(server, served_model_dir, tmp_path, "original", names, version=5)
-    assert original["finish"].status_code == 200 and original["finish"].json()["weights_version"] == 5, \
+    original = push(server, served_model_dir, tmp_path, "original", names, version=base + 5,
+                    separate=separate)
+    assert original["finish"].status_code == 200 and original["finish"].json()["weights_version"] == base + 5, \
         original["finish"].text
     back = complete(server)
-    assert version_of(back) == "5"
+    assert version_of(back) == str(base + 5)
     assert token_ids(back) == token_ids(before)  # the checkpoint's own tensors: bit for bit the same weights
 
-    stale = push(server, served_model_dir, tmp_path, "scaled", names, version=5)
+    stale = push(server, served_model_dir, tmp_path, "scaled", names, version=base + 5, separate=separate)
     assert stale["update"][0].status_code == 200, stale["update"][0].text
     assert stale["finish"].status_code == 409 and stale["finish"].json()["error"] == "weights_version_stale"
     # the update stays open for a good version (generation waits); starting again undoes it from disk
@@ -203,7 +211,7 @@ def test_a_transfer_that_fails_half_way_never_serves(server, served_model_dir, t
     assert partial["finish"].status_code == 409 and partial["finish"].json()["error"] == "weight_update_incomplete"
     assert token_ids(complete(server)) == token_ids(before)
 
-    # updates serve again (above every version served before: 6 after the test above)
+    # updates serve again (above every version served before: 16 after the test above)
     good = push(server, served_model_dir, tmp_path, "scaled", names)
     assert good["finish"].status_code == 200, good["finish"].text
     served = good["finish"].json()["weights_version"]

@@ -2,10 +2,12 @@
 
 It puts the named checkpoint tensors on the GPU the server uses (cuda:0, shared), as the model's own
 weights (`original`) or with the last decoder layer's MLP times -3 and the final norm times 3
-(`scaled`), writes the JSON `update_info` of `/update_weights` (`grpo_trainer.transport.weight_ipc`) to `--out`,
-prints `ready`, and keeps the tensors alive until its stdin closes (the server reads them through
-their IPC handles until `/finish_weight_update` answers). `--bad-uuid` offers the last tensor from a
-GPU that does not exist: vLLM's worker refuses the `/update_weights` call that carries it.
+(`scaled`), packed into one buffer per dtype as the trainer's snapshot packs them (`packed_copies`;
+with `--separate`, each in its own allocation), writes the JSON `update_info` of `/update_weights`
+(`grpo_trainer.transport.weight_ipc`) to `--out`, prints `ready`, and keeps the tensors alive until its
+stdin closes (the server reads them through their IPC handles until `/finish_weight_update` answers).
+`--bad-uuid` offers the last tensor from a GPU that does not exist: vLLM's worker refuses the
+`/update_weights` call that carries it.
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ def main() -> None:
     parser.add_argument("--names", required=True, help="JSON list of checkpoint tensor names")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--bad-uuid", action="store_true")
+    parser.add_argument("--separate", action="store_true", help="each tensor in its own allocation")
     args = parser.parse_args()
 
     import torch
     from safetensors import safe_open
 
     from grpo_trainer.transport.weight_ipc import ipc_update_info
+    from grpo_trainer.transport.weight_sync import packed_copies
 
     names = json.loads(args.names)
     last = json.loads((args.model / "config.json").read_text())["num_hidden_layers"] - 1
@@ -50,6 +54,17 @@ def main() -> None:
             factor = perturbed(name, last) if args.kind == "scaled" else None
             if factor is not None:
                 tensors[name] = tensor * factor
+        if not args.separate:
+            by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+            for name, tensor in tensors.items():
+                by_dtype.setdefault(tensor.dtype, []).append((name, tensor))
+            packed: dict[str, torch.Tensor] = {}
+            for dtype, group in by_dtype.items():
+                views = packed_copies(group, dtype)
+                for name, tensor in group:
+                    views[name].copy_(tensor)
+                packed.update(views)
+            tensors = packed
     torch.cuda.synchronize()
     info = ipc_update_info([(name, tensors[name]) for name in names])
     if args.bad_uuid:

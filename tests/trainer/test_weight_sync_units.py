@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from grpo_trainer.errors import TrainingFailed
 from grpo_trainer.transport.weight_sync import (
+    ALIGN_BYTES,
     GlooChannel,
     IpcChannel,
     make_channel,
@@ -47,6 +49,18 @@ def test_a_snapshot_is_a_copy_in_the_serving_dtype_and_its_update_body_names_eve
     assert body["names"] == list(params) and set(body["dtype_names"]) == {"bfloat16"} and body["packed"] is False
     assert body["shapes"][0] == list(params[name].shape)
     assert snapshot.size_bytes == sum(p.numel() * 2 for p in params.values())
+    assert_packed(snapshot.tensors.values())
+
+
+def assert_packed(tensors) -> None:
+    """Views of one buffer (an ipc push shares it once), each starting on an ALIGN_BYTES boundary, none overlapping."""
+    tensors = list(tensors)
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    spans = sorted((t.storage_offset() * t.element_size(), (t.storage_offset() + t.numel()) * t.element_size())
+                   for t in tensors)
+    assert all(start % ALIGN_BYTES == 0 for start, _ in spans)
+    assert all(end <= following for (_, end), (following, _) in itertools.pairwise(spans))
+    assert all(t.is_contiguous() for t in tensors)
 
 
 @pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"]])
@@ -76,6 +90,7 @@ def test_a_merged_snapshot_holds_every_base_weight_with_peft_own_merge_of_the_ta
             changed.add(name.rsplit(".", 2)[-2])
     assert changed == ({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
                        if targets == "all-linear" else {"q_proj", "v_proj"})
+    assert_packed(snapshot.tensors.values())
 
 
 def test_a_merged_snapshot_of_a_model_without_lora_is_refused(tiny_model_dir: Path):

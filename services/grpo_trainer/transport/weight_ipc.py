@@ -5,6 +5,11 @@ sends a CUDA IPC handle per tensor (`grpo_api.weight_transfer.CudaIpcHandle`), a
 vLLM workers map the trainer's memory and copy from it. vLLM's own HTTP client sends the handles as a
 pickle (`ipc_handles_pickled`), which this server refuses; this module writes the JSON form.
 
+Tensors that are views of one storage (a snapshot packs its copies into one buffer) share it once: one
+handle, ref counter slot and event, which each view's entry repeats with its own size, stride and offset.
+torch's `rebuild_cuda_tensor` on the server keeps the storages it opened by handle, so it opens that
+allocation once per update rather than once per tensor.
+
 The tensors are shared, not copied: the caller keeps every tensor alive and unchanged until
 `/finish_weight_update` has answered (vLLM reads each tensor during `/update_weights`, but a layer
 whose tensors span several `/update_weights` calls is read only once it is complete, and layers are
@@ -63,6 +68,8 @@ def ipc_update_info(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[s
     shapes: list[list[int]] = []
     handles: list[dict[str, dict[str, Any]]] = []
     uuids: dict[int, str] = {}
+    #: The handle of each storage shared so far, by (device, storage address, dtype).
+    shared: dict[tuple[int, int, str], dict[str, Any]] = {}
     for name, tensor in named_tensors:
         dtype = str(tensor.dtype).removeprefix("torch.")
         if not tensor.is_cuda:
@@ -77,7 +84,14 @@ def ipc_update_info(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[s
         names.append(name)
         dtype_names.append(dtype)
         shapes.append([int(d) for d in tensor.shape])
-        handles.append({uuids[index]: ipc_handle(tensor)})
+        storage = (index, tensor.untyped_storage().data_ptr(), dtype)
+        if storage not in shared:
+            shared[storage] = ipc_handle(tensor)
+            handles.append({uuids[index]: shared[storage]})
+        else:
+            handles.append({uuids[index]: {**shared[storage], "size": [int(d) for d in tensor.shape],
+                                           "stride": [int(d) for d in tensor.stride()],
+                                           "tensor_offset": int(tensor.storage_offset())}})
     info = {"names": names, "dtype_names": dtype_names, "shapes": shapes, "ipc_handles": handles}
     WeightUpdateInfo.model_validate(info)
     return info

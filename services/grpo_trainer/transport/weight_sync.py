@@ -92,17 +92,44 @@ class WeightSyncResult:
         return self.weights.version
 
 
+#: Where each copy starts in its snapshot's buffer: a multiple of this many bytes (what cudaMalloc aligns to).
+ALIGN_BYTES = 256
+
+
+def packed_copies(sources: list[tuple[str, Any]], dtype: Any) -> dict[str, Any]:
+    """Empty tensors shaped like `sources` (name, tensor), in `dtype`, as views of one buffer per device.
+
+    A push over ipc shares each buffer once instead of every tensor: the server's workers open one CUDA IPC
+    handle (and wait on one event) per buffer, where separate copies cost an open per tensor, 338 for the
+    1.5B model. Each view starts on an `ALIGN_BYTES` boundary; the caller fills them."""
+    import torch
+
+    element = torch.empty((), dtype=dtype).element_size()
+    align = max(ALIGN_BYTES // element, 1)
+    offsets: list[int] = []
+    totals: dict[Any, int] = {}
+    for _, tensor in sources:
+        start = totals.get(tensor.device, 0)
+        offsets.append(start)
+        totals[tensor.device] = start + -(-tensor.numel() // align) * align
+    buffers = {device: torch.empty(total, dtype=dtype, device=device) for device, total in totals.items()}
+    return {name: buffers[tensor.device][start:start + tensor.numel()].view(tensor.shape)
+            for (name, tensor), start in zip(sources, offsets, strict=True)}
+
+
 def take_snapshot(model: Any, dtype: str) -> WeightSnapshot:
-    """Copies of the model's parameters under their checkpoint names, in `dtype` (the serving dtype).
+    """Copies of the model's parameters under their checkpoint names, in `dtype` (the serving dtype), packed
+    into one buffer per device (`packed_copies`).
 
     On a GPU the copies are queued on the current stream; `Channel.push` waits for them first.
     """
     import torch
 
-    target = getattr(torch, dtype)
+    params = list(model.named_parameters())
     with torch.no_grad():
-        tensors = {name: param.detach().to(dtype=target, copy=True).contiguous()
-                   for name, param in model.named_parameters()}
+        tensors = packed_copies(params, getattr(torch, dtype))
+        for name, param in params:
+            tensors[name].copy_(param.detach())
     return WeightSnapshot(tensors)
 
 
@@ -467,27 +494,27 @@ def take_merged_snapshot(model: Any, dtype: str) -> WeightSnapshot:
     import torch
     from peft.tuners.lora import LoraLayer
 
-    target = getattr(torch, dtype)
-    merged: dict[str, Any] = {}
+    layers: dict[str, Any] = {  # a LoRA Linear: get_delta_weight is PEFT's W += delta of merge()
+        f"{name.removeprefix(PEFT_PREFIX)}.weight": module for name, module in model.named_modules()
+        if isinstance(module, LoraLayer) and module.active_adapters}
+    if not layers:
+        raise TrainingFailed("trainer.sync merged found no LoRA layer in the policy to merge")
+    params = [(name.removeprefix(PEFT_PREFIX).replace(".base_layer.", "."), param)
+              for name, param in model.named_parameters() if not LORA_PARAMETER.search(name)]
+    unmatched = set(layers) - {key for key, _ in params}
+    if unmatched:  # a merged module whose base weight is not a parameter of the model: a naming bug, never pushed
+        raise TrainingFailed(f"trainer.sync merged: no base parameter for {', '.join(sorted(unmatched)[:3])}")
     with torch.no_grad():
-        for name, module in model.named_modules():
-            if not isinstance(module, LoraLayer) or not module.active_adapters:
+        tensors = packed_copies(params, getattr(torch, dtype))
+        for key, param in params:
+            layer = layers.get(key)
+            if layer is None:
+                tensors[key].copy_(param.detach())
                 continue
-            layer: Any = module  # a LoRA Linear: get_delta_weight is PEFT's W += delta of merge()
             weight = layer.get_base_layer().weight.detach().to(torch.float32)
             for adapter in layer.active_adapters:
                 weight = weight + layer.get_delta_weight(adapter).to(torch.float32)
-            merged[f"{name.removeprefix(PEFT_PREFIX)}.weight"] = weight.to(target).contiguous()
-        if not merged:
-            raise TrainingFailed("trainer.sync merged found no LoRA layer in the policy to merge")
-        tensors: dict[str, Any] = {}
-        for name, param in model.named_parameters():
-            if LORA_PARAMETER.search(name):
-                continue
-            key = name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
-            tensors[key] = merged.pop(key) if key in merged else param.detach().to(dtype=target, copy=True).contiguous()
-    if merged:  # a merged module whose base weight is not a parameter of the model: a naming bug, never pushed
-        raise TrainingFailed(f"trainer.sync merged: no base parameter for {', '.join(sorted(merged)[:3])}")
+            tensors[key].copy_(weight)
     return WeightSnapshot(tensors)
 
 
