@@ -240,15 +240,19 @@ class GroupChannel(Channel):
     def _prepare(self, client: ServerClient) -> None:
         if self._group is not None:
             return
-        port = _free_port(self.address)
         world = 1 + self.server_workers
+        try:
+            port, listener = self._listen(world)
+        except Exception as exc:
+            raise Unconfirmed(f"{self.backend} rendezvous on {self.address} could not listen: "
+                              f"{type(exc).__name__}: {exc}") from exc
         init = {"master_address": self.address, "master_port": port, "rank_offset": 1, "world_size": world,
                 "timeout_seconds": RENDEZVOUS_SECONDS}
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grpo-weight-join") as pool:
             joined = pool.submit(client.weight_transfer, "init_weight_transfer_engine", {"init_info": init},
                                  timeout=RENDEZVOUS_SECONDS + 30)
             try:
-                self._store, self._group = self._host(port, world)
+                self._store, self._group = self._host(listener, port, world)
             except TrainingFailed:
                 joined.cancel()
                 raise
@@ -258,7 +262,11 @@ class GroupChannel(Channel):
                                   f"{type(exc).__name__}: {exc}") from exc
             joined.result()
 
-    def _host(self, port: int, world: int) -> tuple[Any, Any]:
+    def _listen(self, world: int) -> tuple[int, Any]:
+        """The rendezvous port the replica is told, and what already listens on it (None: `_host` binds it)."""
+        return _free_port(self.address), None
+
+    def _host(self, listener: Any, port: int, world: int) -> tuple[Any, Any]:
         raise NotImplementedError
 
     def _broadcast(self, tensor: Any) -> None:
@@ -297,26 +305,38 @@ class GroupChannel(Channel):
 
 
 class GlooChannel(GroupChannel):
+    """The store listens on a port the kernel picks before the replica is told it: no port is picked, freed
+    and bound again later, which another process could take in between."""
+
     backend = "gloo"
 
-    def _host(self, port: int, world: int) -> tuple[Any, Any]:
+    def _listen(self, world: int) -> tuple[int, Any]:
         import torch.distributed as dist
 
         limit = dt.timedelta(seconds=RENDEZVOUS_SECONDS)
-        store = dist.TCPStore(self.address, port, world, is_master=True, timeout=limit, wait_for_workers=False)
-        group = dist.ProcessGroupGloo(dist.PrefixStore(GLOO_STORE_PREFIX, store), 0, world, limit)
-        return store, group
+        store = dist.TCPStore(self.address, 0, world, is_master=True, timeout=limit, wait_for_workers=False)
+        return int(store.port), store
+
+    def _host(self, listener: Any, port: int, world: int) -> tuple[Any, Any]:
+        import torch.distributed as dist
+
+        limit = dt.timedelta(seconds=RENDEZVOUS_SECONDS)
+        group = dist.ProcessGroupGloo(dist.PrefixStore(GLOO_STORE_PREFIX, listener), 0, world, limit)
+        return listener, group
 
     def _broadcast(self, tensor: Any) -> None:
         self._group.broadcast(tensor.cpu() if tensor.is_cuda else tensor, 0).wait()
 
 
 class NcclChannel(GroupChannel):
-    """vLLM's own trainer side (`NCCLWeightTransferEngine.trainer_init`, its broadcast): needs vLLM here."""
+    """vLLM's own trainer side (`NCCLWeightTransferEngine.trainer_init`, its broadcast): needs vLLM here.
+
+    `trainer_init` binds the port it is given, so the port is picked free first (a clash fails the
+    rendezvous, which the pool retries as Unconfirmed)."""
 
     backend = "nccl"
 
-    def _host(self, port: int, world: int) -> tuple[Any, Any]:
+    def _host(self, listener: Any, port: int, world: int) -> tuple[Any, Any]:
         try:
             from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
         except ImportError as exc:
