@@ -122,9 +122,11 @@ async def direct(model: Path, adapter: Path, work: Workload) -> dict[str, Any]:
 
 
 def start_server(model: Path, work_dir: Path, port: int, weights: str | None = None,
-                 overrides: dict[str, Any] | None = None) -> tuple[subprocess.Popen[bytes], Path, float]:
+                 overrides: dict[str, Any] | None = None,
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], Path, float]:
     """`grpo serve` on the model; `weights` (ipc, nccl): a server that takes pushed weights (a merged-sync run's:
-    LoRA off, vLLM's weight transfer on). `overrides` are merged into spec.server (a CPU smoke's engine)."""
+    LoRA off, vLLM's weight transfer on). `overrides` are merged into spec.server (a CPU smoke's engine); `env`
+    is added to the server's environment (GRPO_SERVER_* settings)."""
     trainer: dict[str, Any] = {"lora": {"r": 32, "alpha": 64}}
     server = {**SERVER, **(overrides or {})}
     if weights is not None:
@@ -146,7 +148,7 @@ def start_server(model: Path, work_dir: Path, port: int, weights: str | None = N
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-m", "grpo_cli.main", "serve", "--config", str(config_path), "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})},
     )
     deadline = time.monotonic() + 480
     while time.monotonic() < deadline:

@@ -1,20 +1,23 @@
-"""A full push's phases, packed snapshot against one allocation per tensor, through the trainer's own loader.
+"""A full push's phases through the trainer's own loader: the server's weight loads (in place against vLLM's
+layerwise reload) and the snapshot's form (packed against one allocation per tensor).
 
     python bench/weight_push.py --model /tmp/m15 --out $OUT/weight_push.json          # GPU: vllm, ipc
     python bench/weight_push.py --model M --cpu --out /tmp/weight_push.json          # CPU smoke: transformers, gloo
 
-Starts `grpo serve` taking pushed weights (gen_server.start_server: a merged-sync run's server), loads the model
-as the trainer holds it (bf16, on the GPU), and pushes `--reps` versions of each form, alternating, through
+For each of `--weight-loads` (GRPO_SERVER_WEIGHT_LOADS: in-place, layerwise) it starts `grpo serve` taking
+pushed weights (gen_server.start_server: a merged-sync run's server), loads the model as the trainer holds it
+(bf16, on the GPU), and pushes `--reps` versions of each of `--forms`, alternating, through
 `grpo_trainer.transport.weight_sync.WeightLoader` (health, the channel's start/send/finish, the confirming
-`/health/`), recording each push's `PushPhases`:
+`/health/`), recording each push's `PushPhases` and the trainer's allocated GPU memory once the push's snapshot
+is freed (it must not grow: a pushed buffer the server let go of is freed):
 
-- packed: `take_snapshot`, the trainer's: every copy a view of one buffer, shared once over ipc, so the server
-  opens one CUDA IPC handle per push;
-- separate: each parameter copied into its own allocation (the trainer's snapshot before packing): one handle,
-  event and ref-counter slot per tensor.
+- packed: `take_snapshot`, the trainer's: every copy a view of one buffer, so the server opens one CUDA IPC
+  allocation per push;
+- separate: each parameter copied into its own allocation (the trainer's snapshot before packing).
 
 The first push of each form is a warm-up (excluded from the medians). After the last push a greedy completion
-must come back on that version. Writes the per-push phases and their medians, and packed/separate.
+must come back on that version. Writes the per-push phases and their medians by `loads/form`, and each ratio
+to the first of them.
 """
 
 from __future__ import annotations
@@ -63,58 +66,81 @@ def medians(pushes: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.median(p[key] for p in pushes) for key in pushes[0]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--reps", type=int, default=8, help="pushes of each form after its warm-up")
-    parser.add_argument("--port", type=int, default=8391)
-    parser.add_argument("--cpu", action="store_true", help="transformers engine over gloo, float32 (a smoke)")
-    args = parser.parse_args()
-
+def pushes_on(server_env: dict[str, str], args: argparse.Namespace, model: Any, dtype: str,
+              forms: list[str]) -> tuple[dict[str, list[dict[str, float]]], float]:
+    """Start a server with `server_env`, push `args.reps` + 1 versions of each form, alternating; the pushes by
+    form and the server's start time."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    dtype = "float32" if args.cpu else "bfloat16"
     overrides = {"engine": "transformers", "dtype": dtype} if args.cpu else None
     work = Path(tempfile.mkdtemp(prefix="grpo-bench-push-"))
-    proc, _, start_s = start_server(args.model, work, args.port, weights="ipc", overrides=overrides)
-    result: dict[str, Any] = {"machine": machine(), "model": str(args.model), "server_start_s": start_s,
-                              "backend": "gloo" if args.cpu else "ipc"}
+    proc, _, start_s = start_server(args.model, work, args.port, weights="ipc", overrides=overrides, env=server_env)
     try:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, dtype))
-        if not args.cpu:
-            model = model.cuda()
         client = ServerClient(f"http://127.0.0.1:{args.port}", token=TOKEN, generation_timeout=300)
         loader = WeightLoader()
-        runs: dict[str, list[dict[str, float]]] = {form: [] for form in FORMS}
+        runs: dict[str, list[dict[str, float]]] = {form: [] for form in forms}
         version = 0
         for rep in range(args.reps + 1):
-            for form in FORMS if rep % 2 == 0 else FORMS[::-1]:
+            for form in forms if rep % 2 == 0 else forms[::-1]:
                 snapshot = take_snapshot(model, dtype) if form == "packed" else separate_snapshot(model, dtype)
                 version += 1
                 runs[form].append(push(loader, client, snapshot, version))
-                print(form, version, json.dumps({k: round(v, 4) for k, v in runs[form][-1].items()}), flush=True)
                 del snapshot
                 if not args.cpu:
                     torch.cuda.ipc_collect()
+                    runs[form][-1]["trainer_allocated_gb"] = torch.cuda.memory_allocated() / 1e9
+                print(server_env, form, version, json.dumps({k: round(v, 4) for k, v in runs[form][-1].items()}),
+                      flush=True)
         body = {"prompt": [[5, 6, 7, 8]], "max_tokens": 4, "temperature": 0.0}
         answer = httpx.post(f"http://127.0.0.1:{args.port}/v1/completions", json=body, timeout=120)
         assert answer.status_code == 200, answer.text
         assert answer.headers[WEIGHTS_VERSION_HEADER] == str(version), answer.headers
         loader.close()
         client.close()
-        result["tensors"] = len(list(model.parameters()))
-        result["bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
-        result["pushes"] = runs
-        result["median"] = median = {form: medians(pushes[1:]) for form, pushes in runs.items()}
-        result["packed_over_separate_total"] = median["packed"]["total"] / median["separate"]["total"]
     finally:
         stop_server(proc)
+    return runs, start_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--reps", type=int, default=8, help="pushes of each form after its warm-up")
+    parser.add_argument("--port", type=int, default=8391)
+    parser.add_argument("--weight-loads", default="in-place,layerwise",
+                        help="the server's GRPO_SERVER_WEIGHT_LOADS values, one server each (comma-separated)")
+    parser.add_argument("--forms", default="packed,separate", help="snapshot forms (comma-separated)")
+    parser.add_argument("--cpu", action="store_true", help="transformers engine over gloo, float32 (a smoke)")
+    args = parser.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    forms = [form for form in args.forms.split(",") if form]
+    if not forms or set(forms) - set(FORMS):
+        parser.error(f"--forms: some of {', '.join(FORMS)}")
+    dtype = "float32" if args.cpu else "bfloat16"
+    result: dict[str, Any] = {"machine": machine(), "model": str(args.model), "backend": "gloo" if args.cpu else "ipc",
+                              "server_start_s": {}, "pushes": {}, "median": {}}
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, dtype))
+    if not args.cpu:
+        model = model.cuda()
+    result["tensors"] = len(list(model.parameters()))
+    result["bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    for loads in [value for value in args.weight_loads.split(",") if value]:
+        runs, start_s = pushes_on({"GRPO_SERVER_WEIGHT_LOADS": loads}, args, model, dtype, forms)
+        result["server_start_s"][loads] = start_s
+        for form, pushes in runs.items():
+            result["pushes"][f"{loads}/{form}"] = pushes
+            result["median"][f"{loads}/{form}"] = medians(pushes[1:])
+    first = next(iter(result["median"]))
+    result["total_over_first"] = {key: median["total"] / result["median"][first]["total"]
+                                  for key, median in result["median"].items()}
     args.out.write_text(json.dumps(result, indent=1))
-    for form in FORMS:
-        print(form, "median", json.dumps({k: round(v, 4) for k, v in result["median"][form].items()}))
-    print(f"packed / separate (total, median): {result['packed_over_separate_total']:.2f}")
+    for key, median in result["median"].items():
+        print(key, "median", json.dumps({k: round(v, 4) for k, v in median.items()}))
+    print(f"total (median) over {first}:", json.dumps({k: round(v, 2) for k, v in result["total_over_first"].items()}))
 
 
 if __name__ == "__main__":

@@ -76,13 +76,15 @@ print("NCCLWeightTransferEngine", NCCLWeightTransferEngine.__name__, "trl", trl.
   exit 0
 fi
 
-step "the vLLM surface the server's GPU-resident adapter loads rely on (engines/vllm_lora_load.py)"
+step "the vLLM surface the server's worker extension relies on (engines/vllm_lora_load.py, vllm_weights.py)"
 out=$(in_image python -c '
 from grpo_server.engines.vllm_lora_load import surface_problems
-problems = surface_problems()
+from grpo_server.engines.vllm_weights import in_place_surface_problems
+problems = surface_problems() + in_place_surface_problems()
 assert not problems, problems
-print("worker_extension_cls, LoRAModel.from_local_checkpoint(device=), WorkerLoRAManager._lora_model_cls: present")
-' 2>&1) || fail "the server image's vLLM lacks what GPU-resident adapter loads need: $(tail -3 <<<"$out")"
+print("worker_extension_cls, LoRAModel.from_local_checkpoint(device=), WorkerLoRAManager._lora_model_cls,"
+      " rebuild_cuda_tensor, Worker.get_model: present")
+' 2>&1) || fail "the server image's vLLM lacks what its worker extension needs: $(tail -3 <<<"$out")"
 tail -1 <<<"$out"
 
 step "grpo serve --engine vllm on a tiny model: asks for a GPU and says so"

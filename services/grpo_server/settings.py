@@ -27,6 +27,11 @@ ENV_ALLOW_CHAT_TEMPLATES = "GRPO_SERVER_ALLOW_CHAT_TEMPLATES"
 #: engines/vllm_lora_load.py) or `host` (vLLM's own load into pinned host memory).
 ENV_ADAPTER_LOADS = "GRPO_SERVER_ADAPTER_LOADS"
 ADAPTER_LOADS = ("gpu", "host")
+#: How the vllm engine loads weights pushed over ipc: `in-place` (the default: copied straight into the live
+#: parameters, engines/vllm_weights.py; a quantized model still takes vLLM's path) or `layerwise` (vLLM's own
+#: layerwise reload, always).
+ENV_WEIGHT_LOADS = "GRPO_SERVER_WEIGHT_LOADS"
+WEIGHT_LOADS = ("in-place", "layerwise")
 #: Listen address unless told otherwise: pods pass 0.0.0.0 explicitly.
 DEFAULT_HOST = "127.0.0.1"
 #: How long SIGTERM waits for in-flight requests before closing them.
@@ -56,6 +61,8 @@ class ServerSettings:
     attempt: int | None = None
     #: Where the vllm engine loads adapters (ADAPTER_LOADS); the transformers engine ignores it.
     adapter_loads: str = "gpu"
+    #: How the vllm engine loads weights pushed over ipc (WEIGHT_LOADS); the transformers engine ignores it.
+    weight_loads: str = "in-place"
 
 
 def env_flag(name: str) -> bool:
@@ -71,12 +78,22 @@ def attempt_from(raw: str | None) -> int | None:
     return int(raw)
 
 
+def choice_from(name: str, raw: str | None, choices: tuple[str, ...]) -> str:
+    """The value of environment variable `name` among `choices`, the first when it is unset or empty."""
+    value = (raw or "").strip().lower() or choices[0]
+    if value not in choices:
+        raise ValueError(f"${name}={str(raw)[:40]!r} must be one of {', '.join(choices)}")
+    return value
+
+
 def adapter_loads_from(raw: str | None) -> str:
     """${ENV_ADAPTER_LOADS}: gpu (unset or empty) or host."""
-    value = (raw or "gpu").strip().lower() or "gpu"
-    if value not in ADAPTER_LOADS:
-        raise ValueError(f"${ENV_ADAPTER_LOADS}={str(raw)[:40]!r} must be one of {', '.join(ADAPTER_LOADS)}")
-    return value
+    return choice_from(ENV_ADAPTER_LOADS, raw, ADAPTER_LOADS)
+
+
+def weight_loads_from(raw: str | None) -> str:
+    """${ENV_WEIGHT_LOADS}: in-place (unset or empty) or layerwise."""
+    return choice_from(ENV_WEIGHT_LOADS, raw, WEIGHT_LOADS)
 
 
 def settings_from_config(
@@ -115,4 +132,5 @@ def settings_from_config(
         weight_transfer=resolve_weight_transfer(config.spec, os.environ.get(ENV_WEIGHT_TRANSFER)),
         attempt=attempt_from(os.environ.get(ENV_ATTEMPT)),
         adapter_loads=adapter_loads_from(os.environ.get(ENV_ADAPTER_LOADS)),
+        weight_loads=weight_loads_from(os.environ.get(ENV_WEIGHT_LOADS)),
     )

@@ -8,6 +8,7 @@ vLLM are the ones torch produced, field for field.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -251,3 +252,54 @@ def test_an_update_must_carry_every_tensor_vllm_loads_and_no_tensor_it_skips(tmp
     (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
     assert receiver.required() == loaded | {"lm_head.weight"}
     assert set(receiver.parameters()) == set(tensors)  # an update may still name them
+
+
+def test_the_in_place_payload_is_plain_values_that_rebuild_to_the_same_arguments_on_the_worker_s_device():
+    """In place, the handles reach vLLM's workers through msgpack (`collective_rpc`), so they travel as plain
+    values; the worker adds torch's classes back and names its own device, as vLLM's receiver does."""
+    update = WeightUpdateInfo.model_validate(info(2, dtype_names=["bfloat16"] * 2, ipc_handles=[
+        {UUID: handle(dtype="bfloat16")}, {UUID: handle(dtype="bfloat16", tensor_offset=0)}]))
+    names, handles = vllm_weights.in_place_payload(update)
+    assert names == ["w0", "w1"]
+    plain_types = (list, int, str, bytes, bool, type(None))
+    assert all(isinstance(value, plain_types) for offers in handles for value in offers[UUID])
+    for offers, rebuilt in zip(handles, vllm_weights.vllm_ipc_handles(update), strict=True):
+        expected = list(rebuilt[UUID])
+        assert vllm_weights.rebuild_from_plain(offers[UUID]) == tuple(expected)
+        expected[6] = 5
+        assert vllm_weights.rebuild_from_plain(offers[UUID], 5) == tuple(expected)
+    with pytest.raises(ValueError, match=r"^update_info\.ipc_handles: required"):
+        vllm_weights.in_place_payload(WeightUpdateInfo.model_validate(info(1, ipc_handles=None)))
+
+
+class RecordingLLM:
+    """Records the AsyncLLM calls a receiver makes (each answers at once)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append((name, args + tuple(kwargs.get("args", ()))))
+            return [2] if name == "collective_rpc" else None
+        return call
+
+
+def test_an_in_place_receiver_opens_no_layerwise_reload_and_restores_from_disk_alone(tmp_path):
+    asyncio.run(in_place_then_layerwise(tmp_path))
+
+
+async def in_place_then_layerwise(tmp_path: Any) -> None:
+    llm = RecordingLLM()
+    receiver = vllm_weights.VllmWeightReceiver("ipc", lambda: llm, tmp_path, lambda: 1)  # type: ignore[arg-type, return-value]
+    receiver.loads_in_place = True
+    update = WeightUpdateInfo.model_validate(info(2))
+    await receiver.start()
+    await receiver.receive(update, timeout=5)
+    assert await receiver.commit() == 2
+    assert [name for name, _ in llm.calls] == ["collective_rpc", "reset_prefix_cache"]
+    assert llm.calls[0][1] == (vllm_weights.LOAD_IN_PLACE, *vllm_weights.in_place_payload(update))
+    llm.calls.clear()
+    await receiver.restore()
+    assert [name for name, _ in llm.calls] == ["collective_rpc", "reset_prefix_cache"]
+    assert llm.calls[0][1] == ("reload_weights",)  # vLLM's path closes its open layerwise reload first

@@ -62,9 +62,9 @@ from grpo_server.engines.logprobs import (
     sampled_logprobs,
 )
 from grpo_server.engines.ray_stand_in import provide_ray_stand_in
-from grpo_server.engines.vllm_lora_load import EXTENSION as LORA_LOAD_EXTENSION
 from grpo_server.engines.vllm_lora_load import SET_DEVICE as SET_LORA_LOAD_DEVICE
-from grpo_server.engines.vllm_weights import BACKENDS, VllmWeightReceiver
+from grpo_server.engines.vllm_weights import BACKENDS, IN_PLACE_SUPPORTED, VllmWeightReceiver
+from grpo_server.engines.vllm_worker import EXTENSION as WORKER_EXTENSION
 from grpo_server.sampling import MAX_LOGPROBS
 
 if TYPE_CHECKING:
@@ -77,7 +77,6 @@ log = logging.getLogger(__name__)
 
 def engine_args(
     model_dir: Path, served_name: str, server: ServerSpec, weight_transfer: str | None = None,
-    adapter_loads: str = "gpu",
 ) -> AsyncEngineArgs:
     """AsyncEngineArgs from the run's server section; extraEngineArgs override the rest.
 
@@ -88,9 +87,10 @@ def engine_args(
     linear layer's weight to `<layer>.base_layer.weight`, where those loaders do not look (vLLM 0.26);
     a full fine-tuning run serves no adapter anyway.
 
-    `adapter_loads` gpu mixes `vllm_lora_load.LoraLoadDevice` into vLLM's worker (`worker_extension_cls`), so
-    that the server can switch the workers' adapter loads onto their GPU once the engine is up; host leaves
-    vLLM's loads as shipped. A `worker_extension_cls` in extraEngineArgs wins: the loads then stay vLLM's.
+    The server's `vllm_worker.WorkerExtension` is mixed into vLLM's worker (`worker_extension_cls`): once the
+    engine is up the server switches the workers' adapter loads onto their GPU (unless the engine's
+    `adapter_loads` is host: vLLM's loads as shipped) and, over ipc, loads pushed weights in place. A
+    `worker_extension_cls` in extraEngineArgs wins: adapter loads and weight updates then stay vLLM's.
     """
     kwargs: dict[str, Any] = {
         "model": str(model_dir),
@@ -113,8 +113,7 @@ def engine_args(
     }
     if weight_transfer is not None:
         kwargs["weight_transfer_config"] = {"backend": weight_transfer}
-    if adapter_loads == "gpu":
-        kwargs["worker_extension_cls"] = LORA_LOAD_EXTENSION
+    kwargs["worker_extension_cls"] = WORKER_EXTENSION
     kwargs.update(server.extra_engine_args)
     if kwargs.get("weight_transfer_config") is not None and "enable_lora" not in server.extra_engine_args:
         kwargs["enable_lora"] = False
@@ -131,11 +130,13 @@ class VllmEngine:
 
     def __init__(
         self, model_dir: Path, served_name: str, server: ServerSpec, tokenizer: PreTrainedTokenizerBase,
-        weight_transfer: str | None = None, adapter_loads: str = "gpu",
+        weight_transfer: str | None = None, adapter_loads: str = "gpu", weight_loads: str = "in-place",
     ) -> None:
         if weight_transfer is not None and weight_transfer not in BACKENDS:
             raise ValueError(f"weight_transfer: {weight_transfer!r} is not one of {', '.join(BACKENDS)} (or None: off)")
-        self._args = engine_args(model_dir, served_name, server, weight_transfer, adapter_loads)
+        self._args = engine_args(model_dir, served_name, server, weight_transfer)
+        self._adapter_loads = adapter_loads
+        self._weight_loads = weight_loads
         #: where the workers load adapters, once started: their device ("cuda:0"), "cpu" (vLLM's own) or "no-lora"
         self.adapter_load_device: str | None = None
         self._tokenizer = tokenizer
@@ -165,12 +166,19 @@ class VllmEngine:
         # output handler on the first request, inside the loop.
         llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self._args)
         self._llm = llm
-        if self._args.enable_lora and self._args.worker_extension_cls == LORA_LOAD_EXTENSION:
+        ours = self._args.worker_extension_cls == WORKER_EXTENSION
+        if self._args.enable_lora and ours and self._adapter_loads == "gpu":
             where = await llm.collective_rpc(SET_LORA_LOAD_DEVICE, args=(True,))
             self.adapter_load_device = ",".join(sorted(set(map(str, where))))
         else:
             self.adapter_load_device = "cpu" if self._args.enable_lora else "no-lora"
         log.info("vLLM workers load adapters onto %s", self.adapter_load_device)
+        if self._weights is not None and self._weights.backend == "ipc":
+            self._weights.loads_in_place = (ours and self._weight_loads == "in-place"
+                                            and all(await llm.collective_rpc(IN_PLACE_SUPPORTED)))
+            log.info("ipc weight updates load %s", "in place" if self._weights.loads_in_place else
+                     f"through vLLM's layerwise reload (weight loads {self._weight_loads}, the model quantized, "
+                     "or another worker extension)")
 
     @property
     def llm(self) -> AsyncLLM:

@@ -9,10 +9,10 @@ slots device work; the cost is the registered versions' bytes in GPU memory (`ma
 37 MB each for an r=32 all-linear bf16 adapter of a 1.5B model), outside the KV cache's share.
 
 The switch runs in the worker process, which the engine core spawns: vLLM's own `worker_extension_cls`
-mixes `LoraLoadDevice` into its worker class there, and the server calls `grpo_set_lora_load_device` on
-every worker through `collective_rpc` once the engine is up. Nothing of vLLM is patched: the worker's
-LoRA manager takes its `LoRAModel` class as a constructor argument, and this sets that attribute to a
-subclass that names the device.
+mixes `LoraLoadDevice` into its worker class there (through `vllm_worker.WorkerExtension`), and the server
+calls `grpo_set_lora_load_device` on every worker through `collective_rpc` once the engine is up. Nothing
+of vLLM is patched: the worker's LoRA manager takes its `LoRAModel` class as a constructor argument, and
+this sets that attribute to a subclass that names the device.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-#: vLLM's qualified name for the extension (AsyncEngineArgs.worker_extension_cls).
-EXTENSION = f"{__name__}.LoraLoadDevice"
 #: The worker method the server calls through `collective_rpc`.
 SET_DEVICE = "grpo_set_lora_load_device"
 

@@ -17,6 +17,15 @@ built. The worker accepts a pickle only with `VLLM_ALLOW_INSECURE_SERIALIZATION=
 for the ipc backend; that flag also lets vLLM's own sockets between this process and its engine core
 carry pickle (only this process writes to them).
 
+In place over ipc: vLLM's layerwise reload rebuilds every layer on fresh memory and copies it back, which
+is what quantized or repacked weights need, and it cost ~0.13 s of a 0.17 s push of the 1.5B shape on the
+H100 (BENCHMARKS.md). An unquantized model's `load_weights` copies each tensor straight into the live
+parameter instead (its weight loaders narrow and copy, as TRL's colocate mode loads). So when the workers
+run this server's extension (`WeightsInPlace`, mixed in through vLLM's `worker_extension_cls`) and report
+that the model is not quantized, an ipc update skips `start_weight_update`/`finish_weight_update` and
+calls `grpo_load_weights_in_place` on every worker, with the handles as plain values (no pickle); the
+parameters keep their storage, so CUDA graphs stay valid. Otherwise vLLM's own path runs.
+
 A failed or abandoned update is undone from disk (`restore`): vLLM's worker `reload_weights` reads the
 checkpoint again, after the half-done layerwise reload is closed (see `restore`).
 
@@ -89,30 +98,45 @@ def tied_embeddings(model_dir: Path) -> bool:
         return False
 
 
-def rebuild_args(handle: CudaIpcHandle) -> tuple[Any, ...]:
-    """torch's `rebuild_cuda_tensor` arguments for one handle, in `reduce_tensor`'s order.
+def plain_args(handle: CudaIpcHandle) -> list[Any]:
+    """The data of `rebuild_args` as plain values (lists, ints, bytes, a dtype name): what msgpack carries to
+    vLLM's workers in `collective_rpc`, where `rebuild_from_plain` adds torch's classes back."""
+    return [list(handle.size), list(handle.stride), handle.tensor_offset, handle.dtype, handle.device_index,
+            handle.storage_handle, handle.storage_size_bytes, handle.storage_offset_bytes,
+            handle.ref_counter_handle, handle.ref_counter_offset, handle.event_handle, handle.event_sync_required]
+
+
+def rebuild_from_plain(plain: list[Any], device_index: int | None = None) -> tuple[Any, ...]:
+    """torch's `rebuild_cuda_tensor` arguments, in `reduce_tensor`'s order, from `plain_args`.
 
     The classes are this module's: a plain tensor on a `TypedStorage` (what `reduce_tensor` gives for
     a detached tensor), the dtype comes from `DTYPES`, requires_grad is False; the request gives data
-    only. vLLM's receiver puts its own device index at position 6.
-    """
+    only. `device_index` replaces the trainer's (a receiver opens the handle on its own device)."""
+    (size, stride, tensor_offset, dtype, trainer_device, storage_handle, storage_size_bytes, storage_offset_bytes,
+     ref_counter_handle, ref_counter_offset, event_handle, event_sync_required) = plain
     return (
         torch.Tensor,
-        tuple(handle.size),
-        tuple(handle.stride),
-        handle.tensor_offset,
+        tuple(size),
+        tuple(stride),
+        tensor_offset,
         torch.storage.TypedStorage,
-        DTYPES[handle.dtype],
-        handle.device_index,
-        handle.storage_handle,
-        handle.storage_size_bytes,
-        handle.storage_offset_bytes,
+        DTYPES[dtype],
+        trainer_device if device_index is None else device_index,
+        bytes(storage_handle),  # bytes again whatever buffer type a transport decoded them to
+        storage_size_bytes,
+        storage_offset_bytes,
         False,
-        handle.ref_counter_handle,
-        handle.ref_counter_offset,
-        handle.event_handle,
-        handle.event_sync_required,
+        bytes(ref_counter_handle),
+        ref_counter_offset,
+        None if event_handle is None else bytes(event_handle),
+        event_sync_required,
     )
+
+
+def rebuild_args(handle: CudaIpcHandle) -> tuple[Any, ...]:
+    """torch's `rebuild_cuda_tensor` arguments for one handle (vLLM's receiver puts its own device index at
+    position 6)."""
+    return rebuild_from_plain(plain_args(handle))
 
 
 def vllm_ipc_handles(update: WeightUpdateInfo) -> list[dict[str, tuple[Any, ...]]]:
@@ -120,6 +144,14 @@ def vllm_ipc_handles(update: WeightUpdateInfo) -> list[dict[str, tuple[Any, ...]
     if update.ipc_handles is None:
         raise ValueError("update_info.ipc_handles: required by the ipc backend")
     return [{uuid: rebuild_args(handle) for uuid, handle in offers.items()} for offers in update.ipc_handles]
+
+
+def in_place_payload(update: WeightUpdateInfo) -> tuple[list[str], list[dict[str, list[Any]]]]:
+    """`grpo_load_weights_in_place`'s arguments: the names, and per tensor GPU UUID -> `plain_args`."""
+    if update.ipc_handles is None:
+        raise ValueError("update_info.ipc_handles: required by the ipc backend")
+    return list(update.names), [{uuid: plain_args(handle) for uuid, handle in offers.items()}
+                                for offers in update.ipc_handles]
 
 
 def vllm_update_info(update: WeightUpdateInfo, backend: str) -> dict[str, Any]:
@@ -132,6 +164,60 @@ def vllm_update_info(update: WeightUpdateInfo, backend: str) -> dict[str, Any]:
         pickled = pickle.dumps(vllm_ipc_handles(update), protocol=pickle.HIGHEST_PROTOCOL)
         info["ipc_handles_pickled"] = base64.b64encode(pickled).decode("ascii")
     return info
+
+
+def in_place_surface_problems() -> list[str]:
+    """What of vLLM's and torch's surface `WeightsInPlace` relies on is missing (empty: all of it is there).
+
+    Checked by the GPU server image's smoke test (hack/gpu-image-smoke.sh), where vLLM imports without a GPU."""
+    import inspect
+
+    from torch.multiprocessing import reductions
+    from vllm.v1.worker.gpu_worker import Worker
+
+    problems = []
+    if not callable(getattr(reductions, "rebuild_cuda_tensor", None)):
+        problems.append("torch.multiprocessing.reductions has no rebuild_cuda_tensor")
+    elif list(inspect.signature(reductions.rebuild_cuda_tensor).parameters)[6] != "storage_device":
+        problems.append("rebuild_cuda_tensor's seventh argument is no longer the storage's device")
+    if not callable(getattr(Worker, "get_model", None)):
+        problems.append("vLLM's GPU worker has no get_model")
+    return problems
+
+
+#: The `WeightsInPlace` methods the server calls on every worker through `collective_rpc`.
+IN_PLACE_SUPPORTED = "grpo_weights_in_place_supported"
+LOAD_IN_PLACE = "grpo_load_weights_in_place"
+
+
+class WeightsInPlace:
+    """Mixed into vLLM's worker class (so `self` is the worker): ipc tensors loaded straight into the live model."""
+
+    def grpo_weights_in_place_supported(self) -> bool:
+        """Whether the model's `load_weights` may copy into the live parameters: not for a quantized model,
+        whose layers vLLM processes after loading (its layerwise reload does that)."""
+        worker: Any = self
+        return getattr(worker.model_config, "quantization", None) is None
+
+    def grpo_load_weights_in_place(self, names: list[str], handles: list[dict[str, list[Any]]]) -> int:
+        """Open each tensor's CUDA IPC handle on this worker's GPU and load them all through the model's
+        `load_weights`; returns how many. Waits for the copies to end: once every worker answered, the
+        trainer may free or reuse its memory."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        worker: Any = self
+        device = worker.device
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        weights = []
+        for name, offers in zip(names, handles, strict=True):
+            if uuid not in offers:
+                raise ValueError(f"update_info.ipc_handles: {name} is not offered from this worker's GPU {uuid} "
+                                 f"(offered: {', '.join(sorted(offers))})")
+            weights.append((name, rebuild_cuda_tensor(*rebuild_from_plain(offers[uuid], device.index))))
+        with torch.no_grad():
+            worker.get_model().load_weights(weights)
+        torch.cuda.current_stream(device).synchronize()
+        return len(weights)
 
 
 class VllmWeightReceiver:
@@ -149,6 +235,8 @@ class VllmWeightReceiver:
         self._workers = workers
         self._params: dict[str, tuple[tuple[int, ...], str]] | None = None
         self._received = 0
+        #: ipc updates load in place (`WeightsInPlace`); the engine sets it once its workers said they can
+        self.loads_in_place = False
 
     def parameters(self) -> dict[str, tuple[tuple[int, ...], str]]:
         if self._params is None:
@@ -192,9 +280,17 @@ class VllmWeightReceiver:
 
     async def start(self) -> None:
         self._received = 0
+        if self.loads_in_place:
+            return  # no layerwise reload to open
         await self._call(self._llm().start_weight_update(), CALL_TIMEOUT_SECONDS, "vLLM's start_weight_update failed")
 
     async def receive(self, update: WeightUpdateInfo, timeout: float) -> None:
+        if self.loads_in_place:
+            names, handles = in_place_payload(update)
+            await self._call(self._llm().collective_rpc(LOAD_IN_PLACE, args=(names, handles)), timeout,
+                             f"loading the update's {len(names)} tensor(s) in place (ipc) failed")
+            self._received += len(names)
+            return
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         request = WeightTransferUpdateRequest(update_info=vllm_update_info(update, self.backend))
@@ -203,8 +299,9 @@ class VllmWeightReceiver:
         self._received += len(update.names)
 
     async def commit(self) -> int:
-        llm = self._llm()
-        await self._call(llm.finish_weight_update(), CALL_TIMEOUT_SECONDS, "vLLM's finish_weight_update failed")
+        if not self.loads_in_place:
+            await self._call(self._llm().finish_weight_update(), CALL_TIMEOUT_SECONDS,
+                             "vLLM's finish_weight_update failed")
         await self._reset_prefix_cache()
         received, self._received = self._received, 0
         return received
@@ -219,16 +316,20 @@ class VllmWeightReceiver:
         open, else (a failed `update_weights` closes the session without finalising) a
         `start_weight_update` + `finish_weight_update` pair. Then every layer is whole, `reload_weights`
         (no arguments: the checkpoint the engine was started from) overwrites them all, and the prefix
-        cache, computed with other weights, is dropped.
+        cache, computed with other weights, is dropped. In place (`loads_in_place`) no layerwise reload was
+        opened: every layer is whole, if half-loaded, and `reload_weights` alone overwrites them.
         """
         self._received = 0
         llm = self._llm()
-        try:
-            await self._call(llm.finish_weight_update(), CALL_TIMEOUT_SECONDS, "finish")
-        except WeightTransferError as exc:
-            log.info("no open vLLM weight update to finish (%s): opening and closing one", exc)
-            await self._call(llm.start_weight_update(), CALL_TIMEOUT_SECONDS, "restore: start_weight_update failed")
-            await self._call(llm.finish_weight_update(), CALL_TIMEOUT_SECONDS, "restore: finish_weight_update failed")
+        if not self.loads_in_place:
+            try:
+                await self._call(llm.finish_weight_update(), CALL_TIMEOUT_SECONDS, "finish")
+            except WeightTransferError as exc:
+                log.info("no open vLLM weight update to finish (%s): opening and closing one", exc)
+                await self._call(llm.start_weight_update(), CALL_TIMEOUT_SECONDS,
+                                 "restore: start_weight_update failed")
+                await self._call(llm.finish_weight_update(), CALL_TIMEOUT_SECONDS,
+                                 "restore: finish_weight_update failed")
         await self._call(llm.collective_rpc("reload_weights"), RESTORE_TIMEOUT_SECONDS,
                          "restore: reloading the checkpoint from disk failed")
         await self._reset_prefix_cache()

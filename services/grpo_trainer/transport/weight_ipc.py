@@ -5,10 +5,14 @@ sends a CUDA IPC handle per tensor (`grpo_api.weight_transfer.CudaIpcHandle`), a
 vLLM workers map the trainer's memory and copy from it. vLLM's own HTTP client sends the handles as a
 pickle (`ipc_handles_pickled`), which this server refuses; this module writes the JSON form.
 
-Tensors that are views of one storage (a snapshot packs its copies into one buffer) share it once: one
-handle, ref counter slot and event, which each view's entry repeats with its own size, stride and offset.
-torch's `rebuild_cuda_tensor` on the server keeps the storages it opened by handle, so it opens that
-allocation once per update rather than once per tensor.
+Tensors that are views of one storage (a snapshot packs its copies into one buffer) carry the same
+allocation handle: torch's `rebuild_cuda_tensor` on the server keeps the storages it opened by handle, so
+it opens that allocation once per update rather than once per tensor. Each entry still gets its own
+`reduce_tensor` call, as `torch.multiprocessing` sends each tensor: every call takes a fresh slot of
+torch's shared reference counter, which the server releases at once when the storage is already open.
+One slot for every view (an earlier form) was released once per view, so the counter never returned to
+zero and every pushed buffer stayed allocated: a full-fine-tuning run ran out of GPU memory after eight
+pushes of 2.7 GB (H100, 2026-12-06).
 
 The tensors are shared, not copied: the caller keeps every tensor alive and unchanged until
 `/finish_weight_update` has answered (vLLM reads each tensor during `/update_weights`, but a layer
@@ -68,8 +72,6 @@ def ipc_update_info(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[s
     shapes: list[list[int]] = []
     handles: list[dict[str, dict[str, Any]]] = []
     uuids: dict[int, str] = {}
-    #: The handle of each storage shared so far, by (device, storage address, dtype).
-    shared: dict[tuple[int, int, str], dict[str, Any]] = {}
     for name, tensor in named_tensors:
         dtype = str(tensor.dtype).removeprefix("torch.")
         if not tensor.is_cuda:
@@ -84,14 +86,7 @@ def ipc_update_info(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[s
         names.append(name)
         dtype_names.append(dtype)
         shapes.append([int(d) for d in tensor.shape])
-        storage = (index, tensor.untyped_storage().data_ptr(), dtype)
-        if storage not in shared:
-            shared[storage] = ipc_handle(tensor)
-            handles.append({uuids[index]: shared[storage]})
-        else:
-            handles.append({uuids[index]: {**shared[storage], "size": [int(d) for d in tensor.shape],
-                                           "stride": [int(d) for d in tensor.stride()],
-                                           "tensor_offset": int(tensor.storage_offset())}})
+        handles.append({uuids[index]: ipc_handle(tensor)})
     info = {"names": names, "dtype_names": dtype_names, "shapes": shapes, "ipc_handles": handles}
     WeightUpdateInfo.model_validate(info)
     return info
