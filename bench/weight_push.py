@@ -1,10 +1,10 @@
-"""A full push's phases through the trainer's own loader: the server's weight loads (in place against vLLM's
-layerwise reload) and the snapshot's form (packed against one allocation per tensor).
+"""A full push's phases through the trainer's own loader: the server's weight loads (vLLM's layerwise reload, the
+default, against in place) and the snapshot's form (packed against one allocation per tensor).
 
     python bench/weight_push.py --model /tmp/m15 --out $OUT/weight_push.json          # GPU: vllm, ipc
     python bench/weight_push.py --model M --cpu --out /tmp/weight_push.json          # CPU smoke: transformers, gloo
 
-For each of `--weight-loads` (GRPO_SERVER_WEIGHT_LOADS: in-place, layerwise) it starts `grpo serve` taking
+For each of `--weight-loads` (GRPO_SERVER_WEIGHT_LOADS: layerwise, in-place) it starts `grpo serve` taking
 pushed weights (gen_server.start_server: a merged-sync run's server), loads the model as the trainer holds it
 (bf16, on the GPU), and pushes `--reps` versions of each of `--forms`, alternating, through
 `grpo_trainer.transport.weight_sync.WeightLoader` (health, the channel's start/send/finish, the confirming
@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--reps", type=int, default=8, help="pushes of each form after its warm-up")
     parser.add_argument("--port", type=int, default=8391)
-    parser.add_argument("--weight-loads", default="in-place,layerwise",
+    parser.add_argument("--weight-loads", default="layerwise,in-place",
                         help="the server's GRPO_SERVER_WEIGHT_LOADS values, one server each (comma-separated)")
     parser.add_argument("--forms", default="packed,separate", help="snapshot forms (comma-separated)")
     parser.add_argument("--cpu", action="store_true", help="transformers engine over gloo, float32 (a smoke)")

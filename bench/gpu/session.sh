@@ -10,7 +10,7 @@
 #   bash bench/gpu/session.sh lora-decode            # LoRA decode cost at step batch sizes, per vLLM setting
 #   bash bench/gpu/session.sh trainer-gpu-tests      # the trainer's CUDA-only tests (needs TRL, no vLLM)
 #   bash bench/gpu/session.sh weight-transfer-tests  # vLLM weight transfer (ipc) on the vllm engine, pytest
-#   bash bench/gpu/session.sh weight-push            # a full push's phases: the server's loads in place vs layerwise;
+#   bash bench/gpu/session.sh weight-push            # a full push's phases: the server's loads layerwise vs in place;
 #                                                    # packed snapshot vs a tensor per allocation (LOADS, FORMS, REPS)
 #   bash bench/gpu/session.sh trl-async              # TRL 1.16 AsyncGRPOTrainer (LoRA sync) vs vllm serve or grpo serve
 #   bash bench/gpu/session.sh gen-weights            # a pushed-weights server (no LoRA) + logprobs vs LLM.generate plain
@@ -152,9 +152,9 @@ weight_transfer_tests() {
 }
 
 weight_push() {
-  log "full push of the 1.5B shape over ipc: loads ${LOADS:-in-place,layerwise}, forms ${FORMS:-packed,separate} (bench/weight_push.py)"
+  log "full push of the 1.5B shape over ipc: loads ${LOADS:-layerwise,in-place}, forms ${FORMS:-packed,separate} (bench/weight_push.py)"
   timeout ${PUSH_TIMEOUT:-300} $PY bench/weight_push.py --model $M --out "$OUT/weight_push.json" \
-    --weight-loads ${LOADS:-in-place,layerwise} --forms ${FORMS:-packed,separate} --reps ${REPS:-8} \
+    --weight-loads ${LOADS:-layerwise,in-place} --forms ${FORMS:-packed,separate} --reps ${REPS:-8} \
     > "$OUT/weight_push.log" 2>&1
   local i=0 f
   for f in /tmp/grpo-bench-push-*/server.log; do cp "$f" "$OUT/weight_push_server_$i.log" 2>/dev/null; i=$((i+1)); done

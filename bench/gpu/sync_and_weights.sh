@@ -6,7 +6,7 @@
 #   bash bench/gpu/sync_and_weights.sh call2   # TRL AsyncGRPOTrainer vs vllm serve, max_staleness 1; ours at depth 1
 #   bash bench/gpu/sync_and_weights.sh call3   # gen-weights; full fine-tuning (merged sync over ipc) against TRL
 #                                              # colocate at LR (default 3e-4), a rate that may learn at 64 tokens
-#   bash bench/gpu/sync_and_weights.sh push    # prep; a full push's phases, packed vs separate; the ipc weight tests
+#   bash bench/gpu/sync_and_weights.sh push    # prep; a full push's phases (layerwise vs in-place loads, packed vs separate); the ipc weight tests
 #   bash bench/gpu/sync_and_weights.sh full    # full fine-tuning against TRL colocate at LR (default 3e-4)
 # CAP: seconds the call may take (default 560). bench/gpu/curves.py prints each run's steps beside its curves.
 set -uo pipefail

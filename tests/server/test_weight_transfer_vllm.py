@@ -4,7 +4,8 @@ The server runs vLLM with `weight_transfer_config {backend: ipc}` (through extra
 engine honours whatever the run's tuning; a full fine-tuning run sets it from server.weightTransfer).
 The sender (tests/server/weight_ipc_sender.py) plays the trainer: it puts the tensors on the GPU,
 writes their JSON IPC handles (`grpo_trainer.transport.weight_ipc.ipc_update_info`) and keeps them alive while
-the test drives the routes. Skipped unless CUDA and vLLM are importable. One command (the model is
+the test drives the routes, on a server that loads them layerwise (vLLM's path) and on one that loads them
+in place (`GRPO_SERVER_WEIGHT_LOADS=in-place`). Skipped unless CUDA and vLLM are importable. One command (the model is
 any safetensors checkpoint vLLM serves, e.g. bench/gpu/session.sh's /tmp/m15; default the tiny model):
 
     GRPO_TEST_SERVER_MODEL_DIR=/tmp/m15 python -m pytest tests/server/test_weight_transfer_vllm.py \\
@@ -55,10 +56,14 @@ def server_overrides() -> dict[str, Any]:
             "enablePrefixCaching": True, "extraEngineArgs": extra}
 
 
-@pytest.fixture(scope="module")
-def server(served_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+@pytest.fixture(scope="module", params=["layerwise", "in-place"])
+def server(request: pytest.FixtureRequest, served_model_dir: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """A server for each way it loads pushed weights (GRPO_SERVER_WEIGHT_LOADS): vLLM's layerwise reload, and
+    the server's worker extension copying into the live parameters."""
     running = start_server(tmp_path_factory.mktemp("vllm-ipc"), served_model_dir,
-                           server_overrides=server_overrides(), timeout=900)
+                           server_overrides=server_overrides(), timeout=900,
+                           extra_env={"GRPO_SERVER_WEIGHT_LOADS": request.param})
     yield running
     running.stop(timeout=60)
 

@@ -69,14 +69,14 @@ def require_cuda_for_vllm() -> None:
 
 def create_engine(
     kind: str, model_dir: Path, served_name: str, server: ServerSpec, tokenizer: PreTrainedTokenizerBase,
-    weight_transfer: str | None = None, adapter_loads: str = "gpu", weight_loads: str = "in-place",
+    weight_transfer: str | None = None, adapter_loads: str = "gpu", weight_loads: str = "layerwise",
 ) -> Engine:
     """A not-yet-started engine of `kind` (vllm or transformers).
 
     `weight_transfer` is the vllm engine's backend for vLLM's weight transfer (nccl, ipc; None: off);
     the transformers engine always receives over gloo and ignores it. `adapter_loads` (gpu, host) is where the
     vllm engine's workers load adapters; the transformers engine loads them with PEFT and ignores it.
-    `weight_loads` (in-place, layerwise) is how the vllm engine loads weights pushed over ipc.
+    `weight_loads` (layerwise, in-place) is how the vllm engine loads weights pushed over ipc.
     """
     if kind == "vllm":
         require_cuda_for_vllm()

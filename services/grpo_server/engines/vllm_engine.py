@@ -89,8 +89,9 @@ def engine_args(
 
     The server's `vllm_worker.WorkerExtension` is mixed into vLLM's worker (`worker_extension_cls`): once the
     engine is up the server switches the workers' adapter loads onto their GPU (unless the engine's
-    `adapter_loads` is host: vLLM's loads as shipped) and, over ipc, loads pushed weights in place. A
-    `worker_extension_cls` in extraEngineArgs wins: adapter loads and weight updates then stay vLLM's.
+    `adapter_loads` is host: vLLM's loads as shipped) and, over ipc with `weight_loads` in-place, loads pushed
+    weights in place. A `worker_extension_cls` in extraEngineArgs wins: adapter loads and weight updates then
+    stay vLLM's.
     """
     kwargs: dict[str, Any] = {
         "model": str(model_dir),
@@ -130,7 +131,7 @@ class VllmEngine:
 
     def __init__(
         self, model_dir: Path, served_name: str, server: ServerSpec, tokenizer: PreTrainedTokenizerBase,
-        weight_transfer: str | None = None, adapter_loads: str = "gpu", weight_loads: str = "in-place",
+        weight_transfer: str | None = None, adapter_loads: str = "gpu", weight_loads: str = "layerwise",
     ) -> None:
         if weight_transfer is not None and weight_transfer not in BACKENDS:
             raise ValueError(f"weight_transfer: {weight_transfer!r} is not one of {', '.join(BACKENDS)} (or None: off)")
