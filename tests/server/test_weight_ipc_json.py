@@ -1,5 +1,6 @@
-"""The ipc backend's JSON handles on CPU: the wire model's bounds, the backend-aware init_info, and the
-server's rebuild of vLLM's `ipc_handles` (classes and dtype from its allowlist, never from the request).
+"""The ipc backend's JSON handles on CPU: the wire model's bounds, the backend-aware init_info, the
+server's rebuild of vLLM's `ipc_handles` (classes and dtype from its allowlist, never from the request), and
+the plain values an in-place load sends vLLM's workers instead, with the calls such a receiver makes.
 
 The trainer's encoder (`grpo_trainer.transport.weight_ipc`) is checked against the server's rebuild with what
 torch's `reduce_tensor` gives for a CUDA tensor, faked here (no GPU): the arguments the server hands
