@@ -8,6 +8,12 @@
 #                                              # colocate at LR (default 3e-4), a rate that may learn at 64 tokens
 #   bash bench/gpu/sync_and_weights.sh push    # prep; a full push's phases (layerwise vs in-place loads, packed vs separate); the ipc weight tests
 #   bash bench/gpu/sync_and_weights.sh full    # full fine-tuning against TRL colocate at LR (default 3e-4)
+# In-place loads (GRPO_SERVER_WEIGHT_LOADS=in-place) against their baselines, three calls of one lease:
+#   bash bench/gpu/sync_and_weights.sh inplace1  # prep; a full push's phases, layerwise vs in-place (packed);
+#                                                # ours full fine-tuning at LR (default 3e-4) with in-place loads
+#   bash bench/gpu/sync_and_weights.sh inplace2  # TRL colocate, full fine-tuning; the ipc GPU tests (both loads);
+#                                                # ours LoRA, spec defaults (adapter sync's phases in the trainer log)
+#   bash bench/gpu/sync_and_weights.sh inplace3  # TRL colocate, LoRA; ours LoRA with sync: merged, in-place loads
 # CAP: seconds the call may take (default 560). bench/gpu/curves.py prints each run's steps beside its curves.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,7 +22,7 @@ R=$OUT; export OUT=/tmp/o; mkdir -p $OUT; S=$(date +%s)
 CAP=${CAP:-560}
 left() { echo $(( $1 - $(date +%s) + S )); }   # seconds until mark $1 of this call
 save() { tar czf "$R/$CALL.tgz" -C /tmp/o .; }   # after each run: a call cut off still returns what it measured
-CALL=${1:?call1, call2, call3, push or full}
+CALL=${1:?call1, call2, call3, push, full, inplace1, inplace2 or inplace3}
 case $CALL in
   call1)  # in the call that installs vLLM
     bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
@@ -34,6 +40,20 @@ case $CALL in
     bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
     PUSH_TIMEOUT=$(left $(( CAP - 150 ))) bash bench/gpu/session.sh weight-push; save
     TESTS_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh weight-transfer-tests; save ;;
+  inplace1)  # in the call that installs vLLM
+    bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
+    FORMS=packed PUSH_TIMEOUT=$(left $(( CAP - 200 ))) bash bench/gpu/session.sh weight-push; save
+    ONLY=server TUNING=full PREFETCH=0 LR=${LR:-3e-4} NAME=full-inplace SERVER_ENV=GRPO_SERVER_WEIGHT_LOADS=in-place \
+      GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
+  inplace2)
+    ONLY=colocate TUNING=full PREFETCH=0 LR=${LR:-3e-4} NAME=full-colocate GRPO_TIMEOUT=$(left $(( CAP / 3 ))) \
+      bash bench/gpu/session.sh grpo; save
+    TESTS_TIMEOUT=$(left $(( CAP * 2 / 3 ))) bash bench/gpu/session.sh weight-transfer-tests; save
+    ONLY=server PREFETCH=0 NAME=defaults GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
+  inplace3)
+    ONLY=colocate NAME=colocate GRPO_TIMEOUT=$(left $(( CAP / 2 ))) bash bench/gpu/session.sh grpo; save
+    ONLY=server PREFETCH=0 SYNC=merged NAME=merged-inplace SERVER_ENV=GRPO_SERVER_WEIGHT_LOADS=in-place \
+      GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
   full)
     TUNING=full PREFETCH=0 LR=${LR:-3e-4} NAME=full GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
 esac

@@ -192,8 +192,11 @@ def directory_files(directory: Path) -> list[str]:
     return sorted(found)
 
 
-def write_file_durably(path: Path, *parts: bytes | memoryview) -> str:
+def write_file_durably(path: Path, *parts: bytes | memoryview, fsync: bool = True) -> str:
     """Write the parts, in order, to a new file, fsync it, and return the file's digest (FileHasher's notation).
+
+    `fsync=False` leaves the flush to the caller (a publisher that fsyncs the whole directory before it
+    renames it into place).
 
     The digest is computed from memory (never read back), in a thread while the bytes are
     written: the hash and os.write both release the GIL.
@@ -214,7 +217,8 @@ def write_file_durably(path: Path, *parts: bytes | memoryview) -> str:
                 while view:
                     written = os.write(fd, view)
                     view = view[written:]
-            os.fsync(fd)
+            if fsync:
+                os.fsync(fd)
         finally:
             os.close(fd)
         return hashed.result()

@@ -91,3 +91,40 @@ def test_a_dtype_without_a_bit_test_goes_through_torch(tmp_path: Path) -> None:
     tensors["packed"] = torch.zeros(4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
     with pytest.raises(AdapterRefusal, match="packed"):
         _check_finite(_adapter(tmp_path, tensors))
+
+
+def test_every_chunk_is_tested_where_the_threads_share_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run of tensors longer than a chunk is split over the check's threads: a NaN in any chunk (first,
+    middle, last value) is found and named, a run without one passes."""
+    import grpo_server.adapter_checks as checks
+
+    monkeypatch.setattr(checks, "_FINITE_CHUNK", 64)
+    tensors = {f"layer{i}.lora_A.weight": torch.randn(16, 16).to(torch.bfloat16) for i in range(6)}  # 24 chunks
+    _check_finite(_adapter(tmp_path, tensors))
+    for index, victim in ((0, "layer0.lora_A.weight"), (130, "layer2.lora_A.weight"), (255, "layer5.lora_A.weight")):
+        poisoned = {name: tensor.clone() for name, tensor in tensors.items()}
+        poisoned[victim].view(-1)[index] = float("nan")
+        folder = tmp_path / f"bad{index}"
+        folder.mkdir()
+        with pytest.raises(AdapterRefusal, match=rf"tensor {victim} holds 1 non-finite value\(s\) .* of 256"):
+            _check_finite(_adapter(folder, poisoned))
+
+
+def test_a_changed_file_is_refused_as_that_though_it_also_holds_a_nan(tmp_path: Path) -> None:
+    """The checksum and the finite check read the weights side by side; the checksum's refusal is the answer."""
+    from grpo_api.adapters import build_manifest, write_manifest
+    from grpo_server.adapter_checks import CheckedAdapter, verify_adapter_files
+
+    weights = _adapter(tmp_path, _lora(torch.bfloat16))
+    manifest = build_manifest(tmp_path, version=1, step=1, base_model_fingerprint="f" * 64)
+    write_manifest(tmp_path, manifest)
+    checked = CheckedAdapter(path=tmp_path, digest=manifest.digest(), manifest_version=1, rank=4, weights=weights,
+                             manifest=manifest)
+    verify_adapter_files(checked)
+    poisoned = _lora(torch.bfloat16)
+    poisoned[sorted(poisoned)[0]].view(-1)[0] = float("nan")
+    _adapter(tmp_path, poisoned)
+    with pytest.raises(AdapterRefusal) as refused:
+        verify_adapter_files(checked)
+    assert refused.value.reason == "adapter_checksum_mismatch", refused.value
+    assert "adapter_model.safetensors" in str(refused.value)

@@ -75,14 +75,17 @@ class AdapterSnapshot:
     def size_bytes(self) -> int:
         return len(self.weights_prefix) + self.weights_data.nbytes + len(self.config)
 
-    def write(self, directory: Path) -> dict[str, str]:
-        """Write adapter_model.safetensors and adapter_config.json durably; return {file: sha256}."""
+    def write(self, directory: Path, *, fsync: bool = True) -> dict[str, str]:
+        """Write adapter_model.safetensors and adapter_config.json; return {file: digest}.
+
+        `fsync=False` when the caller flushes the directory itself (`AdapterStore.publish` fsyncs the tree
+        before the rename, so its phases show the write and the flush apart)."""
         if self.copied is not None:
             self.copied.synchronize()
         directory.mkdir(parents=True, exist_ok=True)
         digests = {ADAPTER_WEIGHTS: write_file_durably(directory / ADAPTER_WEIGHTS, self.weights_prefix,
-                                                       self.weights_data)}
-        digests[ADAPTER_CONFIG] = write_file_durably(directory / ADAPTER_CONFIG, self.config)
+                                                       self.weights_data, fsync=fsync)}
+        digests[ADAPTER_CONFIG] = write_file_durably(directory / ADAPTER_CONFIG, self.config, fsync=fsync)
         return digests
 
 

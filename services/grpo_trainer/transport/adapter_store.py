@@ -46,7 +46,8 @@ class PublishedAdapter:
     path: Path
     sha256: str
     size_bytes: int
-    #: Seconds per phase: save (write + hash + fsync of the files), manifest, fsync (tree), rename.
+    #: Seconds per phase: save (wait for the snapshot's copy, write and hash the files), manifest, fsync (the
+    #: files and directories), rename.
     phases: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -23,6 +23,7 @@ and which adapter generates which batch is the same as with a blocking sync.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -61,6 +62,8 @@ class SyncResult:
     adapter: PublishedAdapter
     seconds: float
     attempts: int
+    #: Seconds from the version's publication until every replica confirmed it loaded.
+    load_seconds: float = 0.0
 
     @property
     def version(self) -> int:
@@ -187,7 +190,7 @@ class AdapterSync(PolicySync[SaveAdapter, SyncResult]):
         self.active: PublishedAdapter | None = None
 
     def take(self, model: Any, dtype: str) -> SaveAdapter:
-        return snapshot_peft_adapter(model, dtype=dtype).write
+        return functools.partial(snapshot_peft_adapter(model, dtype=dtype).write, fsync=False)  # publish flushes
 
     def step_of(self, version: int) -> int | None:
         return self.store.step_of(version)
@@ -198,14 +201,18 @@ class AdapterSync(PolicySync[SaveAdapter, SyncResult]):
     def describe(self, result: SyncResult, step: int, reason: str, note: str) -> str:
         adapter = result.adapter
         weights = read_manifest(adapter.path).files.get(ADAPTER_WEIGHTS, "?")
+        phases = ", ".join(f"{name} {seconds * 1000:.0f} ms" for name, seconds in
+                           [*adapter.phases.items(), ("load", result.load_seconds)])
         return (f"published adapter v{adapter.version} (step {step}, {reason}): {adapter.size_bytes} bytes, "
-                f"{result.seconds:.2f}s {note}, weights {weights}")
+                f"{result.seconds:.2f}s {note} ({phases}), weights {weights}")
 
     def _sync(self, save: SaveAdapter, step: int) -> SyncResult:
         started = time.monotonic()
         adapter = self.store.publish(save, step)
+        published = time.monotonic()
         attempts = self.activate(adapter) if self.pool is not None else 0
-        seconds = time.monotonic() - started
+        finished = time.monotonic()
+        seconds = finished - started
         self.active = adapter
         # Requests admitted just before this sync may still use v(N-1): keep it, drop everything older.
         self.store.prune(adapter.version - 1)
@@ -214,7 +221,7 @@ class AdapterSync(PolicySync[SaveAdapter, SyncResult]):
         self.metrics.sync_bytes_total.inc(adapter.size_bytes)
         self.metrics.syncs.inc()
         self.metrics.adapter_version.set(adapter.version)
-        return SyncResult(adapter=adapter, seconds=seconds, attempts=attempts)
+        return SyncResult(adapter=adapter, seconds=seconds, attempts=attempts, load_seconds=finished - published)
 
     def activate(self, adapter: PublishedAdapter) -> int:
         """Load the version on the server's replicas until confirmed; returns the rounds of triggers used."""
