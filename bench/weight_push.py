@@ -1,5 +1,5 @@
-"""A full push's phases through the trainer's own loader: the server's weight loads (vLLM's layerwise reload, the
-default, against in place) and the snapshot's form (packed against one allocation per tensor).
+"""A full push's phases through the trainer's own loader: the server's weight loads (vLLM's layerwise reload
+against in place, the default) and the snapshot's form (packed against one allocation per tensor).
 
     python bench/weight_push.py --model /tmp/m15 --out $OUT/weight_push.json          # GPU: vllm, ipc
     python bench/weight_push.py --model M --cpu --out /tmp/weight_push.json          # CPU smoke: transformers, gloo

@@ -143,10 +143,11 @@ def test_where_the_vllm_engine_loads_adapters_is_gpu_unless_the_env_says_host_an
         adapter_loads_from("disk")
 
 
-def test_the_vllm_engine_loads_pushed_weights_layerwise_unless_the_env_says_in_place():
-    from grpo_server.settings import ENV_WEIGHT_LOADS, weight_loads_from
+def test_the_vllm_engine_loads_pushed_weights_in_place_unless_the_env_says_layerwise():
+    from grpo_server.settings import ENV_WEIGHT_LOADS, ServerSettings, weight_loads_from
 
-    assert weight_loads_from(None) == weight_loads_from(" ") == weight_loads_from("LayerWise") == "layerwise"
-    assert weight_loads_from("in-place") == "in-place"
-    with pytest.raises(ValueError, match=rf"^\${ENV_WEIGHT_LOADS}='inplace' must be one of layerwise, in-place$"):
+    assert weight_loads_from(None) == weight_loads_from(" ") == weight_loads_from("In-Place") == "in-place"
+    assert weight_loads_from("layerwise") == "layerwise"
+    assert ServerSettings.__dataclass_fields__["weight_loads"].default == "in-place"
+    with pytest.raises(ValueError, match=rf"^\${ENV_WEIGHT_LOADS}='inplace' must be one of in-place, layerwise$"):
         weight_loads_from("inplace")

@@ -69,7 +69,7 @@ def require_cuda_for_vllm() -> None:
 
 def create_engine(
     kind: str, model_dir: Path, served_name: str, server: ServerSpec, tokenizer: PreTrainedTokenizerBase,
-    weight_transfer: str | None = None, adapter_loads: str = "gpu", weight_loads: str = "layerwise",
+    weight_transfer: str | None = None, adapter_loads: str = "gpu", weight_loads: str = "in-place",
 ) -> Engine:
     """A not-yet-started engine of `kind` (vllm or transformers).
 

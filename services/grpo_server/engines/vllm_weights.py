@@ -20,12 +20,13 @@ carry pickle (only this process writes to them).
 In place over ipc: vLLM's layerwise reload rebuilds every layer on fresh memory and copies it back, which
 is what quantized or repacked weights need, and it cost ~0.13 s of a 0.17 s push of the 1.5B shape on the
 H100 (BENCHMARKS.md). An unquantized model's `load_weights` copies each tensor straight into the live
-parameter instead (its weight loaders narrow and copy, as TRL's colocate mode loads). So with
-`GRPO_SERVER_WEIGHT_LOADS=in-place`, when the workers run this server's extension (`WeightsInPlace`, mixed
-in through vLLM's `worker_extension_cls`) and report that the model is not quantized, an ipc update skips
-`start_weight_update`/`finish_weight_update` and calls `grpo_load_weights_in_place` on every worker, with the
-handles as plain values (no pickle); the parameters keep their storage, so CUDA graphs stay valid.
-Otherwise (the default until a GPU lease has verified in place) vLLM's own path runs.
+parameter instead (its weight loaders narrow and copy, as TRL's colocate mode loads): the push took 0.080 s
+against 0.154 s layerwise. So unless `GRPO_SERVER_WEIGHT_LOADS=layerwise`, when the workers run this
+server's extension (`WeightsInPlace`, mixed in through vLLM's `worker_extension_cls`) and report that the
+model is not quantized, an ipc update skips `start_weight_update`/`finish_weight_update` and calls
+`grpo_load_weights_in_place` on every worker, with the handles as plain values (no pickle); the parameters
+keep their storage, so CUDA graphs stay valid.
+Otherwise vLLM's own path runs.
 
 A failed or abandoned update is undone from disk (`restore`): vLLM's worker `reload_weights` reads the
 checkpoint again, after the half-done layerwise reload is closed (see `restore`).
