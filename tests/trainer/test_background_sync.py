@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import json
+import os
+import re
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -13,7 +18,7 @@ from grpo_api.adapters import list_versions
 from grpo_trainer.errors import TrainingFailed
 from grpo_trainer.generation import GenerationBackend, StalenessBound
 from grpo_trainer.metrics import TrainerMetrics
-from grpo_trainer.transport.adapter_store import AdapterStore
+from grpo_trainer.transport.adapter_store import AdapterStore, PublishedAdapter
 from grpo_trainer.transport.policy_sync import AdapterSync, SyncResult
 from grpo_trainer.transport.replica_set import ReplicaSet, static_discovery
 from grpo_trainer.transport.replicas import ServerPool
@@ -94,3 +99,66 @@ def test_a_generation_request_is_sent_only_after_the_sync_in_flight_is_done(sync
         gate.set()
         assert request.result(timeout=5).adapter_version == 1
     assert sent == [1]
+
+
+class Flushing(AdapterSync):
+    """Activation without a server: it waits, as the test says, for the version's flush to have started."""
+
+    def __init__(self, store: AdapterStore, activation: Callable[[PublishedAdapter], None]) -> None:
+        super().__init__(store, cast(ServerPool, object()), TrainerMetrics(), retry_seconds=1)
+        self.activation = activation
+
+    def activate(self, adapter: PublishedAdapter) -> int:
+        self.activation(adapter)
+        return 1
+
+
+def test_the_version_is_flushed_beside_the_server_s_load_and_the_sync_ends_after_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The load is triggered on the renamed version before its fsync ends, and the sync waits for the fsync:
+    the flush waits for the load to start and the load for the flush to start, so only side by side they end."""
+    flush_started, load_started, flush_done = threading.Event(), threading.Event(), threading.Event()
+    store = AdapterStore(tmp_path / "adapters", "fp")
+    real_flush = store.flush
+
+    def flush(adapter: PublishedAdapter) -> None:
+        flush_started.set()
+        assert load_started.wait(5), "the server's load did not start while the version was being flushed"
+        real_flush(adapter)
+        flush_done.set()
+
+    monkeypatch.setattr(store, "flush", flush)
+
+    def activation(adapter: PublishedAdapter) -> None:
+        assert adapter.path.is_dir() and not flush_done.is_set()  # renamed, not yet flushed
+        load_started.set()
+        assert flush_started.wait(5), "the flush did not start beside the load"
+
+    sync = Flushing(store, activation)
+    try:
+        result = sync.sync(saver(b"one"), step=1)
+    finally:
+        sync.close()
+    assert flush_done.is_set() and result.attempts == 1 and sync.active is not None
+    assert set(result.adapter.phases) == {"save", "manifest", "rename", "fsync"}
+    line = sync.describe(result, 1, "sync", "in the background")
+    assert re.search(r"\(save \d+ ms, manifest \d+ ms, rename \d+ ms, fsync \d+ ms beside load \d+ ms\), weights ",
+                     line), line
+
+
+def test_a_version_the_volume_cannot_flush_fails_the_sync_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    loaded: list[int] = []
+    sync = Flushing(AdapterStore(tmp_path / "adapters", "fp"), lambda adapter: loaded.append(adapter.version))
+
+    def no_space(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    try:
+        with pytest.raises(TrainingFailed, match=r"adapter v1 could not be flushed to the volume \(No space left"):
+            sync.sync(saver(b"one"), step=1)
+    finally:
+        sync.close()
+    assert sync.active is None  # never counted as the active version, though the server was asked to load it
+    assert loaded == [1]

@@ -3,7 +3,11 @@
 A version is written into a hidden temporary directory under the adapter root,
 checked (vLLM must be able to serve it as a plain LoRA), given a manifest,
 fsynced and renamed atomically to `v<N>`: the server never sees a half-written
-version. It holds regular files only (the server refuses symlinks and special
+version. A sync may rename first and flush while the server loads the version
+(`publish(flush=False)`, then `flush`): the rename alone keeps a half-written
+version out of sight (the server reads what was written, and verifies every byte
+against the manifest), the flush only makes it outlast a crash, and the sync is
+done only once both are. It holds regular files only (the server refuses symlinks and special
 files). The format itself is `grpo_api.adapters`, shared with the server. A
 process of an attempt that has ended neither publishes nor prunes
 (`checkpoints.AttemptFence`).
@@ -47,7 +51,7 @@ class PublishedAdapter:
     sha256: str
     size_bytes: int
     #: Seconds per phase: save (wait for the snapshot's copy, write and hash the files), manifest, fsync (the
-    #: files and directories), rename.
+    #: files and directories), rename; with `publish(flush=False)` the fsync is `flush`'s, after the rename.
     phases: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -94,10 +98,14 @@ class AdapterStore:
         known = list_versions(self.root)
         return max([self.floor, *known, *self._steps]) + 1
 
-    def publish(self, save: Callable[[Path], Mapping[str, str] | None], step: int) -> PublishedAdapter:
+    def publish(
+        self, save: Callable[[Path], Mapping[str, str] | None], step: int, *, flush: bool = True
+    ) -> PublishedAdapter:
         """Save via `save(dir)`, check, write the manifest, fsync, rename to v<N>.
 
-        `save` may return the sha256 of files it hashed while writing them; those are not read back.
+        `save` may return the digests of files it hashed while writing them; those are not read back.
+        `flush=False` renames before anything is fsynced: the caller must call `flush(adapter)` before it
+        counts the version as published (a crash before that may leave it incomplete on the volume).
         """
         self.root.mkdir(parents=True, exist_ok=True)
         version = self.next_version()
@@ -123,13 +131,15 @@ class AdapterStore:
                 raise TrainingFailed(f"{tmp}: the saved adapter cannot be published: {exc}") from exc
             write_manifest(tmp, manifest)
             lap("manifest")
-            fsync_tree(tmp)
-            lap("fsync")
+            if flush:
+                fsync_tree(tmp)
+                lap("fsync")
             final = version_dir(self.root, version)
             if self.fence is not None:
                 self.fence.check(f"publish adapter v{version}")
             os.rename(tmp, final)
-            _fsync_dir(self.root)
+            if flush:
+                _fsync_dir(self.root)
             lap("rename")
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -139,6 +149,20 @@ class AdapterStore:
             version=version, step=step, path=final, sha256=manifest.digest(), size_bytes=_dir_size(final),
             phases=phases,
         )
+
+    def flush(self, adapter: PublishedAdapter) -> None:
+        """fsync a version published with `flush=False` (its files, its directory, the rename); records the
+        seconds as its "fsync" phase. TrainingFailed names the version when the volume refuses."""
+        started = time.perf_counter()
+        try:
+            fsync_tree(adapter.path)
+            _fsync_dir(self.root)
+        except OSError as exc:
+            raise TrainingFailed(
+                f"{adapter.path}: adapter v{adapter.version} could not be flushed to the volume "
+                f"({exc.strerror or type(exc).__name__})"
+            ) from exc
+        adapter.phases["fsync"] = time.perf_counter() - started
 
     def step_of(self, version: int) -> int | None:
         """Optimizer step a version was saved at (from memory, else its manifest); None if unknown."""

@@ -201,18 +201,23 @@ class AdapterSync(PolicySync[SaveAdapter, SyncResult]):
     def describe(self, result: SyncResult, step: int, reason: str, note: str) -> str:
         adapter = result.adapter
         weights = read_manifest(adapter.path).files.get(ADAPTER_WEIGHTS, "?")
-        phases = ", ".join(f"{name} {seconds * 1000:.0f} ms" for name, seconds in
-                           [*adapter.phases.items(), ("load", result.load_seconds)])
+        written = {name: seconds for name, seconds in adapter.phases.items() if name != "fsync"}
+        phases = ", ".join(f"{name} {seconds * 1000:.0f} ms" for name, seconds in written.items())
+        fsync = adapter.phases.get("fsync", 0.0)
+        phases += f", fsync {fsync * 1000:.0f} ms beside load {result.load_seconds * 1000:.0f} ms"
         return (f"published adapter v{adapter.version} (step {step}, {reason}): {adapter.size_bytes} bytes, "
                 f"{result.seconds:.2f}s {note} ({phases}), weights {weights}")
 
     def _sync(self, save: SaveAdapter, step: int) -> SyncResult:
         started = time.monotonic()
-        adapter = self.store.publish(save, step)
+        adapter = self.store.publish(save, step, flush=False)
         published = time.monotonic()
-        attempts = self.activate(adapter) if self.pool is not None else 0
-        finished = time.monotonic()
-        seconds = finished - started
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as flusher:  # the fsync beside the server's load
+            flushed = flusher.submit(self.store.flush, adapter)
+            attempts = self.activate(adapter) if self.pool is not None else 0
+            loaded = time.monotonic()
+            flushed.result()  # the version counts as published only once it is on the volume for good
+        seconds = time.monotonic() - started
         self.active = adapter
         # Requests admitted just before this sync may still use v(N-1): keep it, drop everything older.
         self.store.prune(adapter.version - 1)
@@ -221,7 +226,7 @@ class AdapterSync(PolicySync[SaveAdapter, SyncResult]):
         self.metrics.sync_bytes_total.inc(adapter.size_bytes)
         self.metrics.syncs.inc()
         self.metrics.adapter_version.set(adapter.version)
-        return SyncResult(adapter=adapter, seconds=seconds, attempts=attempts, load_seconds=finished - published)
+        return SyncResult(adapter=adapter, seconds=seconds, attempts=attempts, load_seconds=loaded - published)
 
     def activate(self, adapter: PublishedAdapter) -> int:
         """Load the version on the server's replicas until confirmed; returns the rounds of triggers used."""
