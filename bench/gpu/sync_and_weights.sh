@@ -14,6 +14,9 @@
 #   bash bench/gpu/sync_and_weights.sh inplace2  # TRL colocate, full fine-tuning; the ipc GPU tests (both loads);
 #                                                # ours LoRA, spec defaults (adapter sync's phases in the trainer log)
 #   bash bench/gpu/sync_and_weights.sh inplace3  # TRL colocate, LoRA; ours LoRA with sync: merged, in-place loads
+# After them (in place the default, the adapter's fsync beside the server's load), two calls of one lease:
+#   bash bench/gpu/sync_and_weights.sh overlap1  # prep; TRL colocate and ours at prefetchDepth 1, full fine-tuning
+#   bash bench/gpu/sync_and_weights.sh overlap2  # TRL colocate and ours with the spec defaults, LoRA
 # CAP: seconds the call may take (default 560). bench/gpu/curves.py prints each run's steps beside its curves.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -22,7 +25,7 @@ R=$OUT; export OUT=/tmp/o; mkdir -p $OUT; S=$(date +%s)
 CAP=${CAP:-560}
 left() { echo $(( $1 - $(date +%s) + S )); }   # seconds until mark $1 of this call
 save() { tar czf "$R/$CALL.tgz" -C /tmp/o .; }   # after each run: a call cut off still returns what it measured
-CALL=${1:?call1, call2, call3, push, full, inplace1, inplace2 or inplace3}
+CALL=${1:?call1, call2, call3, push, full, inplace1-3, overlap1 or overlap2}
 case $CALL in
   call1)  # in the call that installs vLLM
     bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
@@ -54,6 +57,15 @@ case $CALL in
     ONLY=colocate NAME=colocate GRPO_TIMEOUT=$(left $(( CAP / 2 ))) bash bench/gpu/session.sh grpo; save
     ONLY=server PREFETCH=0 SYNC=merged NAME=merged-inplace SERVER_ENV=GRPO_SERVER_WEIGHT_LOADS=in-place \
       GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
+  overlap1)  # in the call that installs vLLM
+    bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
+    ONLY=colocate TUNING=full PREFETCH=0 LR=${LR:-3e-4} NAME=full-colocate GRPO_TIMEOUT=$(left $(( CAP / 2 ))) \
+      bash bench/gpu/session.sh grpo; save
+    ONLY=server TUNING=full PREFETCH=1 LR=${LR:-3e-4} NAME=full-d1 GRPO_TIMEOUT=$(left $CAP) \
+      bash bench/gpu/session.sh grpo; save ;;
+  overlap2)
+    ONLY=colocate NAME=colocate GRPO_TIMEOUT=$(left $(( CAP / 2 ))) bash bench/gpu/session.sh grpo; save
+    ONLY=server PREFETCH=0 NAME=defaults GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
   full)
     TUNING=full PREFETCH=0 LR=${LR:-3e-4} NAME=full GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
 esac
