@@ -195,8 +195,7 @@ def directory_files(directory: Path) -> list[str]:
 def write_file_durably(path: Path, *parts: bytes | memoryview, fsync: bool = True) -> str:
     """Write the parts, in order, to a new file, fsync it, and return the file's digest (FileHasher's notation).
 
-    `fsync=False` leaves the flush to the caller (a publisher that fsyncs the whole directory before it
-    renames it into place).
+    `fsync=False` leaves the flush to the caller (a publisher that fsyncs the whole directory itself).
 
     The digest is computed from memory (never read back), in a thread while the bytes are
     written: the hash and os.write both release the GIL.

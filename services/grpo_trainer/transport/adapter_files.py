@@ -78,8 +78,8 @@ class AdapterSnapshot:
     def write(self, directory: Path, *, fsync: bool = True) -> dict[str, str]:
         """Write adapter_model.safetensors and adapter_config.json; return {file: digest}.
 
-        `fsync=False` when the caller flushes the directory itself (`AdapterStore.publish` fsyncs the tree
-        before the rename, so its phases show the write and the flush apart)."""
+        `fsync=False` when the caller flushes the directory itself (`AdapterStore` fsyncs a version's tree, before
+        its rename or beside the server's load, so its phases show the write and the flush apart)."""
         if self.copied is not None:
             self.copied.synchronize()
         directory.mkdir(parents=True, exist_ok=True)

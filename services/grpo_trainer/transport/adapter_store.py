@@ -7,8 +7,8 @@ version. A sync may rename first and flush while the server loads the version
 (`publish(flush=False)`, then `flush`): the rename alone keeps a half-written
 version out of sight (the server reads what was written, and verifies every byte
 against the manifest), the flush only makes it outlast a crash, and the sync is
-done only once both are. It holds regular files only (the server refuses symlinks and special
-files). The format itself is `grpo_api.adapters`, shared with the server. A
+done only once both are. It holds regular files only (the server refuses
+symlinks and special files). The format itself is `grpo_api.adapters`, shared with the server. A
 process of an attempt that has ended neither publishes nor prunes
 (`checkpoints.AttemptFence`).
 """
