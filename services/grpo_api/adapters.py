@@ -192,10 +192,10 @@ def directory_files(directory: Path) -> list[str]:
     return sorted(found)
 
 
-def write_file_durably(path: Path, *parts: bytes | memoryview, fsync: bool = True) -> str:
-    """Write the parts, in order, to a new file, fsync it, and return the file's digest (FileHasher's notation).
+def write_file_hashed(path: Path, *parts: bytes | memoryview) -> str:
+    """Write the parts, in order, to a new file and return the file's digest (FileHasher's notation).
 
-    `fsync=False` leaves the flush to the caller (a publisher that fsyncs the whole directory itself).
+    Not flushed: the caller fsyncs the directory it publishes (`fsync_tree`), once for all its files.
 
     The digest is computed from memory (never read back), in a thread while the bytes are
     written: the hash and os.write both release the GIL.
@@ -216,8 +216,6 @@ def write_file_durably(path: Path, *parts: bytes | memoryview, fsync: bool = Tru
                 while view:
                     written = os.write(fd, view)
                     view = view[written:]
-            if fsync:
-                os.fsync(fd)
         finally:
             os.close(fd)
         return hashed.result()

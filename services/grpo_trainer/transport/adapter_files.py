@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_api.adapters import write_file_durably
+from grpo_api.adapters import write_file_hashed
 from grpo_trainer.errors import TrainingFailed
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -75,17 +75,17 @@ class AdapterSnapshot:
     def size_bytes(self) -> int:
         return len(self.weights_prefix) + self.weights_data.nbytes + len(self.config)
 
-    def write(self, directory: Path, *, fsync: bool = True) -> dict[str, str]:
+    def write(self, directory: Path) -> dict[str, str]:
         """Write adapter_model.safetensors and adapter_config.json; return {file: digest}.
 
-        `fsync=False` when the caller flushes the directory itself (`AdapterStore` fsyncs a version's tree, before
-        its rename or beside the server's load, so its phases show the write and the flush apart)."""
+        Nothing is fsynced here: `AdapterStore` flushes a version's tree once (before its rename, or beside the
+        server's load), so its phases show the write and the flush apart."""
         if self.copied is not None:
             self.copied.synchronize()
         directory.mkdir(parents=True, exist_ok=True)
-        digests = {ADAPTER_WEIGHTS: write_file_durably(directory / ADAPTER_WEIGHTS, self.weights_prefix,
-                                                       self.weights_data, fsync=fsync)}
-        digests[ADAPTER_CONFIG] = write_file_durably(directory / ADAPTER_CONFIG, self.config, fsync=fsync)
+        digests = {ADAPTER_WEIGHTS: write_file_hashed(directory / ADAPTER_WEIGHTS, self.weights_prefix,
+                                                      self.weights_data)}
+        digests[ADAPTER_CONFIG] = write_file_hashed(directory / ADAPTER_CONFIG, self.config)
         return digests
 
 

@@ -23,7 +23,6 @@ and which adapter generates which batch is the same as with a blocking sync.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -190,7 +189,7 @@ class AdapterSync(PolicySync[SaveAdapter, SyncResult]):
         self.active: PublishedAdapter | None = None
 
     def take(self, model: Any, dtype: str) -> SaveAdapter:
-        return functools.partial(snapshot_peft_adapter(model, dtype=dtype).write, fsync=False)  # publish flushes
+        return snapshot_peft_adapter(model, dtype=dtype).write
 
     def step_of(self, version: int) -> int | None:
         return self.store.step_of(version)

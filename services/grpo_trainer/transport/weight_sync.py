@@ -27,7 +27,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import datetime as dt
-import functools
 import os
 import re
 import socket
@@ -557,7 +556,6 @@ class MergedSync(WeightSync):
         return "merged: " + super().describe(result, step, reason, note)
 
     def publish_final(self, model: Any, dtype: str, step: int) -> str | None:
-        adapter = self.store.publish(functools.partial(snapshot_peft_adapter(model, dtype=dtype).write, fsync=False),
-                                     step)
+        adapter = self.store.publish(snapshot_peft_adapter(model, dtype=dtype).write, step)
         return f"published the final adapter as v{adapter.version} ({adapter.path}, not loaded: the server serves " \
                f"the merged weights v{self.active.version if self.active else 0})"
