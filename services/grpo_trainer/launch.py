@@ -278,6 +278,9 @@ def torchrun_main(argv: list[str]) -> None:
     os.environ[ENV_PARENT_PID] = str(os.getpid())  # the ranks' environment is a copy of ours
     from torch.distributed.run import main
 
+    from grpo_trainer import torchrun_exit
+
+    torchrun_exit.patch()  # node 0's agent leaves the exit barrier last (pytorch/pytorch#69520)
     main(argv)
 
 
