@@ -17,6 +17,7 @@ import datetime as dt
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -141,6 +142,27 @@ def step_seconds(rows: list[dict[str, Any]]) -> list[float]:
     return [(b - a).total_seconds() for a, b in itertools.pairwise(times)]
 
 
+#: How long a run stopped at the deadline has to end after SIGTERM before its process group is killed.
+STOP_GRACE_SECONDS = 15.0
+
+
+def run_until(argv: list[str], log: Any, env: dict[str, str], seconds: float | None) -> int | str:
+    """Run one system to its end, or until `seconds`: then SIGTERM (`grpo run` stops its processes), then SIGKILL
+    to its process group. The exit code, or what stopped it: the steps it logged are reported either way (a
+    device call's limit used to kill this script while a finished run shut down, losing the whole summary)."""
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        return proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=STOP_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        return f"stopped at the deadline ({seconds:.0f} s left for it)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, required=True)
@@ -176,7 +198,11 @@ def main() -> None:
                         "e.g. '{\"specialize_active_lora\": true}'")
     parser.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
                         help="spec.server.env of our run (repeatable), e.g. VLLM_LORA_ENABLE_DUAL_STREAM=1")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="seconds for the whole benchmark: a run still going then is stopped and its steps so "
+                        "far are still reported (set it below the limit of whatever may kill this script)")
     args = parser.parse_args()
+    started = time.monotonic()
     server_env = dict(item.split("=", 1) for item in args.server_env)
     args.work.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
@@ -202,7 +228,8 @@ def main() -> None:
         else:  # colocate: the trainer alone, vLLM in-process with sleep mode (TRL's own path)
             argv = [sys.executable, "-m", "grpo_cli.main", "train", "--config", str(run_file)]
         t0 = time.perf_counter()
-        code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, check=False).returncode
+        left = None if args.deadline_s is None else max(1.0, args.deadline_s - (time.monotonic() - started))
+        code = run_until(argv, log, env, left)
         wall = time.perf_counter() - t0
         progress_dir = (run_dir if mode == "server" else args.work / ".grpo" / name) / "progress"
         rows = history(progress_dir / f"{name}.history.jsonl")

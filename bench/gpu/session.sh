@@ -99,7 +99,7 @@ grpo() {
   local work=/tmp/grpo-step-$name
   log "GRPO $name: ours (server mode) vs TRL colocate, completions of ${COMPLETION:-64} tokens"
   timeout ${GRPO_TIMEOUT:-560} $PY bench/grpo_step.py --model $M --dataset $D ${STEPS:+--steps $STEPS} \
-    --out "$OUT/$name.json" ${REPLICAS:+--replicas $REPLICAS} \
+    --out "$OUT/$name.json" --deadline-s $(( ${GRPO_TIMEOUT:-560} - 30 )) ${REPLICAS:+--replicas $REPLICAS} \
     ${ONLY:+--only $ONLY} --logprobs-source "${LOGPROBS:-sampler}" ${COMPLETION:+--completion-length $COMPLETION} \
     ${BATCH:+--batch $BATCH} --grad-accum ${ACCUM:-1} --prefetch-depth ${PREFETCH:-1} --work $work ${LR:+--learning-rate $LR} ${TUNING:+--tuning $TUNING} ${SYNC:+--sync $SYNC} \
     ${IS:+--importance-sampling $IS} ${MAX_DRIFT:+--max-drift $MAX_DRIFT} ${ENGINE_ARGS:+--engine-args "$ENGINE_ARGS"} ${SERVER_ENV:+--server-env "$SERVER_ENV"}
