@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from grpo_api.models import DEFAULT_SERVER_IMAGE, DEFAULT_TRAINER_IMAGE
+from tests.fixtures.installs import install
 
 REPO = Path(__file__).resolve().parents[2]
 WORKFLOW = REPO / ".github" / "workflows" / "release.yml"
@@ -114,8 +115,8 @@ def test_the_tag_must_equal_every_version_in_the_tree() -> None:
 @pytest.mark.timeout(900)
 def test_the_wheel_gives_the_cli_for_a_cluster_without_torch(tmp_path: Path) -> None:
     """What the python job does, for real: the wheel of this checkout in a fresh environment with the cli
-    extra only (PyPI, as a user installs it): `grpo stage --help`, the cluster commands, `kubectl-grpo` and
-    `grpo crd` work, and torch is not there."""
+    extra only (the index's wheels, as a user installs it; from uv's cache where it holds them: installs.py):
+    `grpo stage --help`, the cluster commands, `kubectl-grpo` and `grpo crd` work, and torch is not there."""
     # A copy of what the wheel is built from (the images' build context): setuptools writes build/ beside it.
     source = tmp_path / "source"
     source.mkdir()
@@ -124,14 +125,15 @@ def test_the_wheel_gives_the_cli_for_a_cluster_without_torch(tmp_path: Path) -> 
     for tree in ("services", "operator"):
         shutil.copytree(REPO / tree, source / tree, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     dist = tmp_path / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(source)],
-                   check=True, timeout=600, capture_output=True)
+    # The build backend of this environment (pyproject's build-system: setuptools, wheel; hack/venv.sh installs
+    # both): an isolated build would download them again.
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),
+                    str(source)], check=True, timeout=600, capture_output=True)
     (wheel,) = dist.glob("grpo_operator-*.whl")
     env_dir = tmp_path / "cli"
-    venv.create(env_dir, with_pip=True)
+    venv.create(env_dir, with_pip=False)
     bin_dir = env_dir / "bin"
-    subprocess.run([str(bin_dir / "pip"), "install", "-q", f"{wheel}[cli]"], check=True, timeout=600,
-                   capture_output=True)
+    install(bin_dir / "python", f"{wheel}[cli]")
     stage = subprocess.run([str(bin_dir / "grpo"), "stage", "--help"], capture_output=True, text=True, timeout=120)
     assert stage.returncode == 0 and "Usage: grpo stage" in stage.stdout, stage.stdout + stage.stderr
     for command in ("get", "status", "logs", "wait", "pull", "suspend", "resume", "cancel"):
