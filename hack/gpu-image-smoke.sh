@@ -8,10 +8,10 @@
 #
 # Both: the entrypoint's command and its --help start; vLLM imports with its compiled extension
 # (vllm._C_stable_libtorch in 0.26, built for the torch beside it) and is the version pyproject.toml pins. Server: `grpo serve
-# --engine vllm` on a tiny model gets as far as asking for a GPU and fails saying so, and the vLLM surface its
-# GPU-resident adapter loads rely on is there. Trainer: the modules
-# the trainer needs from vLLM (the NCCL weight transfer) and TRL import, and the initializer's own check
-# (grpo_trainer.image_capabilities) finds what a run that sends weights over nccl needs.
+# --engine vllm` on a tiny model gets as far as asking for a GPU and fails saying so, the vLLM surface its
+# GPU-resident adapter loads rely on is there, and the compact logprob transport gives vLLM's own logprobs.
+# Trainer: the modules the trainer needs from vLLM (the NCCL weight transfer) and TRL import, and the
+# initializer's own check (grpo_trainer.image_capabilities) finds what a run that sends weights over nccl needs.
 set -euo pipefail
 REF=${1:?usage: $0 REF server|trainer}
 ROLE=${2:?usage: $0 REF server|trainer}
@@ -85,6 +85,19 @@ assert not problems, problems
 print("worker_extension_cls, LoRAModel.from_local_checkpoint(device=), WorkerLoRAManager._lora_model_cls,"
       " rebuild_cuda_tensor, Worker.get_model: present")
 ' 2>&1) || fail "the server image's vLLM lacks what its worker extension needs: $(tail -3 <<<"$out")"
+tail -1 <<<"$out"
+
+step "the compact logprob transport against vLLM's own (engines/vllm_compact_logprobs.py), and its engine plugin"
+out=$(in_image python -c '
+import importlib.metadata as md
+from grpo_server.engines import vllm_compact_logprobs as compact
+plugins = {e.name: e.value for e in md.entry_points(group="vllm.general_plugins")}
+assert plugins.get("grpo_compact_logprobs") == "grpo_server.engines.vllm_compact_logprobs:engine_plugin", plugins
+problem = compact.self_check()
+assert problem is None, problem
+print("compact logprobs equal vLLM'"'"'s own through its encoder, decoder and output processor; engine plugin",
+      plugins["grpo_compact_logprobs"])
+' 2>&1) || fail "the compact logprob transport does not match this vLLM or its plugin is missing: $(tail -3 <<<"$out")"
 tail -1 <<<"$out"
 
 step "grpo serve --engine vllm on a tiny model: asks for a GPU and says so"

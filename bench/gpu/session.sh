@@ -14,6 +14,7 @@
 #                                                    # packed snapshot vs a tensor per allocation (LOADS, FORMS, REPS)
 #   bash bench/gpu/session.sh trl-async              # TRL 1.16 AsyncGRPOTrainer (LoRA sync) vs vllm serve or grpo serve
 #   bash bench/gpu/session.sh gen-weights            # a pushed-weights server (no LoRA) + logprobs vs LLM.generate plain
+#                                                    # (TRANSPORTS="vllm compact": both logprob transports)
 #   bash bench/gpu/session.sh lora-load              # where add_lora's time goes: vLLM's host loads vs the server's GPU-resident ones
 #   bash bench/gpu/session.sh gpu-share              # two processes on one GPU: decode-shaped loop beside training (MPS=1: also under MPS)
 # prep needs blake3 (adapter manifests' digests) when the device lacks it: carry its wheel in p1,
@@ -69,6 +70,13 @@ make_adapter(Path('$M'), Path('$A'))"
   ls /tmp/stage/py_spy-*.whl >/dev/null 2>&1 && [ ! -x /tmp/pyspy/bin/py-spy ] &&
     $PY -m pip install -q --no-index --no-deps --target /tmp/pyspy /tmp/stage/py_spy-*.whl
   command -v py-spy || echo "no py-spy: benchmarks run without profiles"
+  # the project runs from PYTHONPATH here, not installed: its vLLM plugin (the engine core's side of
+  # GRPO_SERVER_LOGPROB_TRANSPORT=compact) needs an entry point that importlib.metadata finds on the path
+  local info=/tmp/site/grpo_operator_device-0.0.0.dist-info
+  mkdir -p $info
+  printf 'Metadata-Version: 2.1\nName: grpo-operator-device\nVersion: 0.0.0\n' > $info/METADATA
+  printf '[vllm.general_plugins]\ngrpo_compact_logprobs = grpo_server.engines.vllm_compact_logprobs:engine_plugin\n' \
+    > $info/entry_points.txt
 }
 
 server_tests() {
@@ -174,13 +182,23 @@ trl_async() {
 gen_weights() {
   # item 4 of issue 19: a weight-transfer server (no LoRA) generating with logprobs vs LLM.generate plain, same run
   log "generation on pushed-weights server vs LLM.generate plain"
-  timeout 300 $PY bench/gen_offline.py --quick --model $M --adapter-dir $A --out "$OUT/gen_offline_quick.json" \
-    2>&1 | tail -20 > "$OUT/gen_offline_quick.log"
-  free_gpu
-  timeout 300 $PY bench/gen_server.py http --weights ipc --model $M --adapter $A --out "$OUT/gen_http_weights.json" \
-    --offline "$OUT/gen_offline_quick.json" 2>&1 | tail -30 > "$OUT/gen_http_weights.log"
-  cp /tmp/grpo-bench-*/server.log "$OUT/gen_http_weights_server.log" 2>/dev/null
-  tail -n 4 "$OUT/gen_offline_quick.log" "$OUT/gen_http_weights.log"
+  local offline=()
+  if [ "${OFFLINE_GEN:-1}" = 1 ]; then  # OFFLINE_GEN=0: no LLM.generate baseline (the servers' runs compared alone)
+    timeout 300 $PY bench/gen_offline.py --quick --model $M --adapter-dir $A --out "$OUT/gen_offline_quick.json" \
+      2>&1 | tail -20 > "$OUT/gen_offline_quick.log"
+    offline=(--offline "$OUT/gen_offline_quick.json")
+    tail -n 4 "$OUT/gen_offline_quick.log"
+  fi
+  # TRANSPORTS: the server's GRPO_SERVER_LOGPROB_TRANSPORT values to run (default: vllm only)
+  local t name
+  for t in ${TRANSPORTS:-vllm}; do
+    name=gen_http_weights; [ "$t" = vllm ] || name=gen_http_weights_$t
+    free_gpu
+    GRPO_SERVER_LOGPROB_TRANSPORT=$t timeout ${GEN_TIMEOUT:-300} $PY bench/gen_server.py http --weights ipc --model $M \
+      --adapter $A --out "$OUT/$name.json" ${offline[@]+"${offline[@]}"} 2>&1 | tail -30 > "$OUT/$name.log"
+    cp /tmp/grpo-bench-*/server.log "$OUT/${name}_server.log" 2>/dev/null
+    tail -n 4 "$OUT/$name.log"
+  done
 }
 
 lora_load() {

@@ -131,7 +131,7 @@ class GenerationService:
             engine = create_engine(
                 self.engine_kind, settings.model_dir, settings.served_model_name, settings.server, tokenizer,
                 weight_transfer=settings.weight_transfer, adapter_loads=settings.adapter_loads,
-                weight_loads=settings.weight_loads,
+                weight_loads=settings.weight_loads, logprob_transport=settings.logprob_transport,
             )
             await engine.start()
             self.fingerprint = await fingerprint

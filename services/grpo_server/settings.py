@@ -32,6 +32,11 @@ ADAPTER_LOADS = ("gpu", "host")
 #: layerwise reload). A full push of the 1.5B shape took 0.080 s in place against 0.154 s layerwise (BENCHMARKS.md).
 ENV_WEIGHT_LOADS = "GRPO_SERVER_WEIGHT_LOADS"
 WEIGHT_LOADS = ("in-place", "layerwise")
+#: How the vllm engine's core hands the sampled tokens' logprobs to this server: `vllm` (the default: three small
+#: arrays per request per step, as vLLM 0.26 does) or `compact` (plain lists, engines/vllm_compact_logprobs.py;
+#: checked against vLLM's own at start, and vLLM's is kept where they differ). Not yet measured on a GPU.
+ENV_LOGPROB_TRANSPORT = "GRPO_SERVER_LOGPROB_TRANSPORT"
+LOGPROB_TRANSPORTS = ("vllm", "compact")
 #: Listen address unless told otherwise: pods pass 0.0.0.0 explicitly.
 DEFAULT_HOST = "127.0.0.1"
 #: How long SIGTERM waits for in-flight requests before closing them.
@@ -63,6 +68,8 @@ class ServerSettings:
     adapter_loads: str = "gpu"
     #: How the vllm engine loads weights pushed over ipc (WEIGHT_LOADS); the transformers engine ignores it.
     weight_loads: str = "in-place"
+    #: How the vllm engine's core hands logprobs to the server (LOGPROB_TRANSPORTS); the transformers engine has none.
+    logprob_transport: str = "vllm"
 
 
 def env_flag(name: str) -> bool:
@@ -94,6 +101,11 @@ def adapter_loads_from(raw: str | None) -> str:
 def weight_loads_from(raw: str | None) -> str:
     """${ENV_WEIGHT_LOADS}: in-place (unset or empty) or layerwise."""
     return choice_from(ENV_WEIGHT_LOADS, raw, WEIGHT_LOADS)
+
+
+def logprob_transport_from(raw: str | None) -> str:
+    """${ENV_LOGPROB_TRANSPORT}: vllm (unset or empty) or compact."""
+    return choice_from(ENV_LOGPROB_TRANSPORT, raw, LOGPROB_TRANSPORTS)
 
 
 def settings_from_config(
@@ -133,4 +145,5 @@ def settings_from_config(
         attempt=attempt_from(os.environ.get(ENV_ATTEMPT)),
         adapter_loads=adapter_loads_from(os.environ.get(ENV_ADAPTER_LOADS)),
         weight_loads=weight_loads_from(os.environ.get(ENV_WEIGHT_LOADS)),
+        logprob_transport=logprob_transport_from(os.environ.get(ENV_LOGPROB_TRANSPORT)),
     )

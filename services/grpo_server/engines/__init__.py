@@ -70,6 +70,7 @@ def require_cuda_for_vllm() -> None:
 def create_engine(
     kind: str, model_dir: Path, served_name: str, server: ServerSpec, tokenizer: PreTrainedTokenizerBase,
     weight_transfer: str | None = None, adapter_loads: str = "gpu", weight_loads: str = "in-place",
+    logprob_transport: str = "vllm",
 ) -> Engine:
     """A not-yet-started engine of `kind` (vllm or transformers).
 
@@ -77,13 +78,15 @@ def create_engine(
     the transformers engine always receives over gloo and ignores it. `adapter_loads` (gpu, host) is where the
     vllm engine's workers load adapters; the transformers engine loads them with PEFT and ignores it.
     `weight_loads` (layerwise, in-place) is how the vllm engine loads weights pushed over ipc.
+    `logprob_transport` (vllm, compact) is how the vllm engine's core hands logprobs to the server.
     """
     if kind == "vllm":
         require_cuda_for_vllm()
         from grpo_server.engines.vllm_engine import VllmEngine
 
         return VllmEngine(model_dir, served_name, server, tokenizer, weight_transfer=weight_transfer,
-                          adapter_loads=adapter_loads, weight_loads=weight_loads)
+                          adapter_loads=adapter_loads, weight_loads=weight_loads,
+                          logprob_transport=logprob_transport)
     from grpo_server.engines.transformers_engine import TransformersEngine
 
     return TransformersEngine(model_dir, tokenizer, dtype=str(server.dtype), max_model_len=server.max_model_len)

@@ -132,12 +132,16 @@ class VllmEngine:
     def __init__(
         self, model_dir: Path, served_name: str, server: ServerSpec, tokenizer: PreTrainedTokenizerBase,
         weight_transfer: str | None = None, adapter_loads: str = "gpu", weight_loads: str = "in-place",
+        logprob_transport: str = "vllm",
     ) -> None:
         if weight_transfer is not None and weight_transfer not in BACKENDS:
             raise ValueError(f"weight_transfer: {weight_transfer!r} is not one of {', '.join(BACKENDS)} (or None: off)")
         self._args = engine_args(model_dir, served_name, server, weight_transfer)
         self._adapter_loads = adapter_loads
         self._weight_loads = weight_loads
+        self._logprob_transport = logprob_transport
+        #: the transport in use once started: compact only where its check at start passed
+        self.logprob_transport: str | None = None
         #: where the workers load adapters, once started: their device ("cuda:0"), "cpu" (vLLM's own) or "no-lora"
         self.adapter_load_device: str | None = None
         self._tokenizer = tokenizer
@@ -163,6 +167,15 @@ class VllmEngine:
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
             # vLLM's IPC module imports ray (unused here), which vLLM does not install
             provide_ray_stand_in()
+        self.logprob_transport = "vllm"
+        if self._logprob_transport == "compact":
+            from grpo_server.engines import vllm_compact_logprobs
+
+            # before the engine core starts: it reads the request for its side from the environment
+            if vllm_compact_logprobs.enable():
+                self.logprob_transport = "compact"
+        log.info("logprobs reach the server as %s", "plain lists (compact)" if self.logprob_transport == "compact"
+                 else "vLLM's per-request arrays")
         # Built off the event loop so /health answers 503 while it loads; AsyncLLM starts its
         # output handler on the first request, inside the loop.
         llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self._args)

@@ -1,0 +1,118 @@
+"""What vLLM 0.26's engine core and front end spend per generated token to hand the sampled tokens' logprobs over,
+with vLLM's own transport against the compact one (`GRPO_SERVER_LOGPROB_TRANSPORT=compact`,
+grpo_server/engines/vllm_compact_logprobs.py), and without logprobs (issue 29: generation with logprobs ran at
+0.46x of plain on the H100, its front end busy 100% of the time).
+
+No GPU: the same classes the engine runs between its forward passes, on the CPU. Each decoding step of R requests
+(one token each): the engine core builds each request's `EngineCoreOutput` (its logprobs sliced from the step's
+`LogprobsLists`, as the scheduler does), encodes the step with vLLM's msgpack encoder; the front end decodes it with
+vLLM's decoder and runs vLLM's `OutputProcessor` (flat logprobs, no detokenization, final output only: the
+server's settings). Sampling, the forward pass and the scheduler's other work are not here.
+
+    PYTHONPATH=<vLLM 0.26 unpacked> python bench/vllm_logprobs_transport.py --out bench/results/<dir>/x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from vllm.v1.engine.output_processor import OutputProcessor
+from vllm.v1.outputs import LogprobsLists
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+from workload import dump, figure, machine
+
+from grpo_server.engines import vllm_compact_logprobs as compact
+
+STAGES = ("engine: outputs", "engine: encode", "front end: decode", "front end: process")
+
+
+def one_run(requests: int, steps: int, logprobs: int | None, slice_request: Callable[..., Any]) -> dict[str, float]:
+    """Microseconds per generated token in each stage, over `steps` steps of `requests` requests."""
+    processor = OutputProcessor(None, log_stats=False)
+    for i in range(requests):
+        params = SamplingParams(max_tokens=steps, logprobs=logprobs, flat_logprobs=True, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        request = EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=[1, 2, 3], mm_features=None,
+                                    sampling_params=params, pooling_params=None, arrival_time=0.0, lora_request=None,
+                                    cache_salt=None, data_parallel_rank=None)
+        request.external_req_id = f"r{i}"
+        processor.add_request(request, None)
+    encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
+    rng = np.random.default_rng(0)
+    spent = dict.fromkeys(STAGES, 0.0)
+    finished = 0
+    for step in range(steps):
+        token_ids = rng.integers(0, 32000, size=(requests, 1)).astype(np.int32)
+        lists = LogprobsLists(token_ids, -rng.random((requests, 1), dtype=np.float32),
+                              np.ones(requests, dtype=np.int32), None) if logprobs is not None else None
+        sampled = token_ids[:, 0].tolist()
+        finish = FinishReason.LENGTH if step == steps - 1 else None
+        t0 = time.perf_counter()
+        outputs = [EngineCoreOutput(request_id=f"r{i}", new_token_ids=[sampled[i]],
+                                    new_logprobs=slice_request(lists, i, 1) if lists is not None else None,
+                                    finish_reason=finish) for i in range(requests)]
+        t1 = time.perf_counter()
+        frames = encoder.encode(EngineCoreOutputs(outputs=outputs))
+        t2 = time.perf_counter()
+        received = decoder.decode(frames)
+        t3 = time.perf_counter()
+        finished += len(processor.process_outputs(received.outputs).request_outputs)
+        t4 = time.perf_counter()
+        for stage, (a, b) in zip(STAGES, ((t0, t1), (t1, t2), (t2, t3), (t3, t4)), strict=True):
+            spent[stage] += b - a
+    assert finished == requests, finished
+    return {stage: seconds / (requests * steps) * 1e6 for stage, seconds in spent.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=512, help="requests decoding together (64 prompts x 8)")
+    parser.add_argument("--steps", type=int, default=128, help="decoding steps, one token per request each")
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each transport; the median is reported")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    vllm_slice = LogprobsLists.slice_request
+    assert compact.enable(), "the compact transport's self-check failed against this vLLM"
+    compact._restore()  # each run below installs what it measures
+    runs: dict[str, list[dict[str, float]]] = {"no logprobs": [], "vLLM's transport, logprobs=0": [],
+                                               "compact transport, logprobs=0": []}
+    for _ in range(args.repeats):
+        for name in runs:
+            if name.startswith("compact"):
+                compact._patch_front_side()
+            runs[name].append(one_run(args.requests, args.steps, None if name == "no logprobs" else 0,
+                                      compact._slice_rows if name.startswith("compact") else vllm_slice))
+            compact._restore()
+    medians = {name: {stage: statistics.median(r[stage] for r in rs) for stage in STAGES} for name, rs in runs.items()}
+    totals = {name: {"engine core": m[STAGES[0]] + m[STAGES[1]], "front end": m[STAGES[2]] + m[STAGES[3]]}
+              for name, m in medians.items()}
+    for name in runs:
+        print(f"{name}: " + ", ".join(f"{stage} {medians[name][stage]:.2f}" for stage in STAGES)
+              + f" µs/token; engine core {totals[name]['engine core']:.2f}, front end {totals[name]['front end']:.2f}")
+    vllm_run, ours = totals["vLLM's transport, logprobs=0"], totals["compact transport, logprobs=0"]
+    figures = [figure(f"{side} per generated token with logprobs, compact transport", ours[side], "µs",
+                      baseline="vLLM 0.26's own transport", baseline_value=vllm_run[side], higher_is_better=False)
+               for side in ("engine core", "front end")]
+    dump(args.out, {
+        "benchmark": "vLLM 0.26's logprob transport, engine core to front end, per generated token (CPU)",
+        "command": f"PYTHONPATH=<vLLM 0.26 unpacked> python bench/vllm_logprobs_transport.py --requests "
+                   f"{args.requests} --steps {args.steps} --repeats {args.repeats} --out {args.out}",
+        "machine": machine(), "date": dt.date.today().isoformat(),
+        "us_per_token": medians, "sides_us_per_token": totals, "figures": figures,
+    })
+
+
+if __name__ == "__main__":
+    main()
