@@ -7,7 +7,10 @@ No GPU: the same classes the engine runs between its forward passes, on the CPU.
 (one token each): the engine core builds each request's `EngineCoreOutput` (its logprobs sliced from the step's
 `LogprobsLists`, as the scheduler does), encodes the step with vLLM's msgpack encoder; the front end decodes it with
 vLLM's decoder and runs vLLM's `OutputProcessor` (flat logprobs, no detokenization, final output only: the
-server's settings). Sampling, the forward pass and the scheduler's other work are not here.
+server's settings). Sampling, the forward pass and the scheduler's other work are not here. Both sides run in this
+one process, so Python's garbage collector, whose passes grow with the front end's live objects, lands on whichever
+stage allocates when it runs: each transport is timed with the collector on (as a process runs) and off (the
+transport's own work).
 
     PYTHONPATH=<vLLM 0.26 unpacked> python bench/vllm_logprobs_transport.py --out bench/results/<dir>/x.json
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import statistics
 import sys
 import time
@@ -86,14 +90,17 @@ def main() -> None:
     vllm_slice = LogprobsLists.slice_request
     assert compact.enable(), "the compact transport's self-check failed against this vLLM"
     compact._restore()  # each run below installs what it measures
-    runs: dict[str, list[dict[str, float]]] = {"no logprobs": [], "vLLM's transport, logprobs=0": [],
-                                               "compact transport, logprobs=0": []}
+    transports = ("no logprobs", "vLLM's transport, logprobs=0", "compact transport, logprobs=0")
+    runs: dict[str, list[dict[str, float]]] = {f"{t}, gc {g}": [] for g in ("on", "off") for t in transports}
     for _ in range(args.repeats):
         for name in runs:
             if name.startswith("compact"):
                 compact._patch_front_side()
-            runs[name].append(one_run(args.requests, args.steps, None if name == "no logprobs" else 0,
+            if name.endswith("gc off"):
+                gc.disable()
+            runs[name].append(one_run(args.requests, args.steps, None if name.startswith("no logprobs") else 0,
                                       compact._slice_rows if name.startswith("compact") else vllm_slice))
+            gc.enable()
             compact._restore()
     medians = {name: {stage: statistics.median(r[stage] for r in rs) for stage in STAGES} for name, rs in runs.items()}
     totals = {name: {"engine core": m[STAGES[0]] + m[STAGES[1]], "front end": m[STAGES[2]] + m[STAGES[3]]}
@@ -101,10 +108,12 @@ def main() -> None:
     for name in runs:
         print(f"{name}: " + ", ".join(f"{stage} {medians[name][stage]:.2f}" for stage in STAGES)
               + f" µs/token; engine core {totals[name]['engine core']:.2f}, front end {totals[name]['front end']:.2f}")
-    vllm_run, ours = totals["vLLM's transport, logprobs=0"], totals["compact transport, logprobs=0"]
-    figures = [figure(f"{side} per generated token with logprobs, compact transport", ours[side], "µs",
-                      baseline="vLLM 0.26's own transport", baseline_value=vllm_run[side], higher_is_better=False)
-               for side in ("engine core", "front end")]
+    figures = []
+    for g in ("on", "off"):
+        vllm_run, ours = totals[f"{transports[1]}, gc {g}"], totals[f"{transports[2]}, gc {g}"]
+        figures += [figure(f"{side} per generated token with logprobs, compact transport, gc {g}", ours[side], "µs",
+                           baseline="vLLM 0.26's own transport", baseline_value=vllm_run[side],
+                           higher_is_better=False) for side in ("engine core", "front end")]
     dump(args.out, {
         "benchmark": "vLLM 0.26's logprob transport, engine core to front end, per generated token (CPU)",
         "command": f"PYTHONPATH=<vLLM 0.26 unpacked> python bench/vllm_logprobs_transport.py --requests "
