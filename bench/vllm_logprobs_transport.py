@@ -29,10 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np
-from vllm import SamplingParams
-from vllm.sampling_params import RequestOutputKind
-from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
-from vllm.v1.engine.output_processor import OutputProcessor
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.outputs import LogprobsLists
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 from workload import dump, figure, machine
@@ -44,15 +41,7 @@ STAGES = ("engine: outputs", "engine: encode", "front end: decode", "front end: 
 
 def one_run(requests: int, steps: int, logprobs: int | None, slice_request: Callable[..., Any]) -> dict[str, float]:
     """Microseconds per generated token in each stage, over `steps` steps of `requests` requests."""
-    processor = OutputProcessor(None, log_stats=False)
-    for i in range(requests):
-        params = SamplingParams(max_tokens=steps, logprobs=logprobs, flat_logprobs=True, detokenize=False,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
-        request = EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=[1, 2, 3], mm_features=None,
-                                    sampling_params=params, pooling_params=None, arrival_time=0.0, lora_request=None,
-                                    cache_salt=None, data_parallel_rank=None)
-        request.external_req_id = f"r{i}"
-        processor.add_request(request, None)
+    processor = compact.output_processor(requests, steps, logprobs)
     encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
     rng = np.random.default_rng(0)
     spent = dict.fromkeys(STAGES, 0.0)

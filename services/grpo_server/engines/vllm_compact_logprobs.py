@@ -116,22 +116,28 @@ def _vllm_supported() -> bool:
     return vllm.__version__ in SUPPORTED_VLLM
 
 
+def output_processor(requests: int, max_tokens: int, num_logprobs: int | None) -> OutputProcessor:
+    """vLLM's front-end output processor with `requests` requests r0, r1, ... added, as this server asks (flat
+    logprobs, no detokenization, the final output only)."""
+    processor = OutputProcessor(None, log_stats=False)
+    for i in range(requests):
+        params = SamplingParams(max_tokens=max_tokens, logprobs=num_logprobs, flat_logprobs=True, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        request = EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=[1, 2, 3], mm_features=None,
+                                    sampling_params=params, pooling_params=None, arrival_time=0.0, lora_request=None,
+                                    cache_salt=None, data_parallel_rank=None)
+        request.external_req_id = f"r{i}"
+        processor.add_request(request, None)
+    return processor
+
+
 def run_outputs(requests: int, steps: int, num_logprobs: int, positions: int, seed: int,
                 slice_request: Callable[..., Any]) -> list[tuple[list[int], list[float], list[int | None], float]]:
     """Generate `steps` steps of `positions` tokens for `requests` requests through vLLM's own engine-core output
     classes, msgpack encoder and decoder and output processor (tokenizer off, flat logprobs, final output only),
     each request's logprobs sliced by `slice_request`; each request's final token ids, logprobs, ranks and
     cumulative logprob."""
-
-    processor = OutputProcessor(None, log_stats=False)
-    for i in range(requests):
-        params = SamplingParams(max_tokens=steps * positions, logprobs=num_logprobs, flat_logprobs=True,
-                                detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
-        request = EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=[1, 2, 3], mm_features=None,
-                                    sampling_params=params, pooling_params=None, arrival_time=0.0, lora_request=None,
-                                    cache_salt=None, data_parallel_rank=None)
-        request.external_req_id = f"r{i}"
-        processor.add_request(request, None)
+    processor = output_processor(requests, steps * positions, num_logprobs)
     encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
     rng = np.random.default_rng(seed)
     columns = num_logprobs + 1
