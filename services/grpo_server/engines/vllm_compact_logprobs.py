@@ -55,6 +55,10 @@ _originals: dict[str, Callable[..., Any]] = {}
 # ------------------------------------------------------------------------------------------------ the engine core
 
 
+#: The step whose rows were made last, and its rows (the engine core's scheduler runs on one thread).
+_step_rows: list[Any] = [None, None]
+
+
 def _slice_rows(lists: Any, req_idx: int, num_positions: int) -> Any:
     """`LogprobsLists.slice_request`, rows as lists: the step's arrays become lists once (the scheduler slices one
     step's LogprobsLists for each of its requests in turn), each request takes a slice of them."""
@@ -67,10 +71,6 @@ def _slice_rows(lists: Any, req_idx: int, num_positions: int) -> Any:
     token_ids, logprobs, ranks = cached[1]
     end = req_idx + num_positions
     return LogprobsLists(token_ids[req_idx:end], logprobs[req_idx:end], ranks[req_idx:end], None)
-
-
-#: The step whose rows were made last, and its rows (the engine core's scheduler runs on one thread).
-_step_rows: list[Any] = [None, None]
 
 
 def _patch_engine_side() -> None:
