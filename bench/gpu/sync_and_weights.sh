@@ -17,11 +17,14 @@
 # After them (in place the default, the adapter's fsync beside the server's load), two calls of one lease:
 #   bash bench/gpu/sync_and_weights.sh overlap1  # prep; TRL colocate and ours at prefetchDepth 1, full fine-tuning
 #   bash bench/gpu/sync_and_weights.sh overlap2  # TRL colocate and ours with the spec defaults, LoRA
-# The compact logprob transport (GRPO_SERVER_LOGPROB_TRANSPORT=compact) against vLLM's, two calls of one lease:
-#   bash bench/gpu/sync_and_weights.sh compact1  # prep; gen-weights with both transports (no LLM.generate baseline:
-#                                                # the third lease's 33,454 tokens/s plain on the H100)
-#   bash bench/gpu/sync_and_weights.sh compact2  # ours with the spec defaults and the compact transport, LoRA; TRL
-#                                                # colocate, LoRA
+# Prefetch depth 1 as a default candidate (LoRA and full fine-tuning), the spec defaults with the sync's fsync beside
+# the load, and the compact logprob transport (GRPO_SERVER_LOGPROB_TRANSPORT=compact), three calls of one lease:
+#   bash bench/gpu/sync_and_weights.sh depth1   # prep; the adapter snapshot's phases (bench/adapter_snapshot.py);
+#                                               # TRL colocate, LoRA; ours at prefetchDepth 1, LoRA
+#   bash bench/gpu/sync_and_weights.sh depth2   # ours with the spec defaults, LoRA; TRL colocate and ours at
+#                                               # prefetchDepth 1, full fine-tuning at LR (default 3e-4)
+#   bash bench/gpu/sync_and_weights.sh compact  # gen-weights with both transports (no LLM.generate baseline: the
+#                                               # third lease's 33,454 tokens/s plain on the H100)
 # CAP: seconds the call may take (default 560). bench/gpu/curves.py prints each run's steps beside its curves.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -30,7 +33,7 @@ R=$OUT; export OUT=/tmp/o; mkdir -p $OUT; S=$(date +%s)
 CAP=${CAP:-560}
 left() { echo $(( $1 - $(date +%s) + S )); }   # seconds until mark $1 of this call
 save() { tar czf "$R/$CALL.tgz" -C /tmp/o .; }   # after each run: a call cut off still returns what it measured
-CALL=${1:?call1, call2, call3, push, full, inplace1-3, overlap1-2 or compact1-2}
+CALL=${1:?call1, call2, call3, push, full, inplace1-3, overlap1-2, depth1-2 or compact}
 case $CALL in
   call1)  # in the call that installs vLLM
     bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
@@ -71,14 +74,21 @@ case $CALL in
   overlap2)
     ONLY=colocate NAME=colocate GRPO_TIMEOUT=$(left $(( CAP / 2 ))) bash bench/gpu/session.sh grpo; save
     ONLY=server PREFETCH=0 NAME=defaults GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
-  compact1)  # in the call that installs vLLM
+  depth1)  # in the call that installs vLLM
     bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
-    OFFLINE_GEN=0 TRANSPORTS="vllm compact" GEN_TIMEOUT=$(( ($(left $CAP) - 20) / 2 )) \
+    PYTHONPATH=/tmp/site:services:operator:. timeout 120 python3 bench/adapter_snapshot.py --model /tmp/m15 \
+      --out $OUT/adapter_snapshot.json > $OUT/adapter_snapshot.log 2>&1; grep -A10 median_ms $OUT/adapter_snapshot.log
+    ONLY=colocate NAME=colocate GRPO_TIMEOUT=$(left $(( CAP / 2 ))) bash bench/gpu/session.sh grpo; save
+    ONLY=server PREFETCH=1 NAME=d1 GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
+  depth2)
+    ONLY=server PREFETCH=0 NAME=defaults GRPO_TIMEOUT=$(left $(( CAP * 2 / 5 ))) bash bench/gpu/session.sh grpo; save
+    ONLY=colocate TUNING=full PREFETCH=0 LR=${LR:-3e-4} NAME=full-colocate GRPO_TIMEOUT=$(left $(( CAP * 13 / 20 ))) \
+      bash bench/gpu/session.sh grpo; save
+    ONLY=server TUNING=full PREFETCH=1 LR=${LR:-3e-4} NAME=full-d1 GRPO_TIMEOUT=$(left $CAP) \
+      bash bench/gpu/session.sh grpo; save ;;
+  compact)
+    OFFLINE_GEN=0 TRANSPORTS="vllm compact" GEN_TIMEOUT=$(( ($(left $CAP) - 10) / 2 )) \
       bash bench/gpu/session.sh gen-weights; save ;;
-  compact2)
-    ONLY=server PREFETCH=0 NAME=defaults-compact SERVER_ENV=GRPO_SERVER_LOGPROB_TRANSPORT=compact \
-      GRPO_TIMEOUT=$(left $(( CAP * 3 / 5 ))) bash bench/gpu/session.sh grpo; save
-    ONLY=colocate NAME=colocate GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
   full)
     TUNING=full PREFETCH=0 LR=${LR:-3e-4} NAME=full GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
 esac

@@ -223,3 +223,61 @@ def test_adapter_under_activation_checkpointing_and_fsdp2_shards_of_two_ranks_is
     for name, tensor in expected.items():
         assert type(sharded[name]) is torch.Tensor
         torch.testing.assert_close(sharded[name], tensor, rtol=0, atol=0)
+
+
+def test_the_adapters_layout_is_found_once_and_read_where_its_parameters_now_are(peft_model, monkeypatch):
+    """PEFT's search runs at the first publish only; later ones read the live parameters by name, also one
+    that was replaced since, and a model with other parameters is searched again."""
+    import torch
+
+    import grpo_trainer.transport.adapter_files as files
+
+    model = copy.deepcopy(peft_model)
+    searches = []
+    search = files._peft_state_dict
+    monkeypatch.setattr(files, "_peft_state_dict", lambda *a: searches.append(1) or search(*a))
+    first, config = files.peft_adapter(model)
+    assert len(searches) == 1 and first
+    _shift_lora(model, 0.5)
+    name = next(n for n, _ in model.named_parameters() if "lora_B" in n)
+    module = model.get_submodule(name.rsplit(".", 1)[0])
+    module.weight = torch.nn.Parameter(torch.full_like(module.weight, 7.0))  # a parameter replaced in place of one
+    tensors, again = files.peft_adapter(model)
+    assert len(searches) == 1, "PEFT searched the model again although nothing moved"
+    assert again == config and again is not config
+    assert tensors.keys() == first.keys()
+    replaced = name.replace(".default", "")
+    assert torch.equal(tensors[replaced], module.weight) and tensors[replaced] is module.weight
+    for key, tensor in tensors.items():
+        if key != replaced:
+            torch.testing.assert_close(tensor, first[key], rtol=0, atol=0)  # the same live parameters, shifted
+    assert all(t is p for t, p in zip(tensors.values(), _lora_parameters(model, tensors), strict=True))
+
+    other = copy.deepcopy(peft_model)  # another model: its own search
+    files.peft_adapter(other)
+    assert len(searches) == 2
+    model.base_model.model.lm_head.extra = torch.nn.Parameter(torch.zeros(1))  # the model changed: searched again
+    files.peft_adapter(model)
+    assert len(searches) == 3
+
+
+def _lora_parameters(model, tensors) -> list:
+    parameters = dict(model.named_parameters())
+    by_key = {name.replace(".default", ""): p for name, p in parameters.items() if "lora_" in name}
+    return [by_key[key] for key in tensors]
+
+
+def test_a_snapshot_casts_once_after_packing_and_matches_a_cast_per_tensor(peft_model):
+    """Mixed float32 and bfloat16 tensors packed then cast give the bytes a cast per tensor gives."""
+    import torch
+
+    from grpo_trainer.transport.adapter_files import peft_adapter, safetensors_parts
+
+    tensors = dict(peft_adapter(peft_model)[0])
+    first = next(iter(tensors))
+    tensors[first] = tensors[first].detach().to(torch.bfloat16)
+    for dtype in ("bfloat16", "float16", "float32"):
+        _, data, _ = safetensors_parts(tensors, dtype)
+        target = getattr(torch, dtype)
+        expected = torch.cat([tensors[n].detach().to(target).reshape(-1) for n in sorted(tensors)])
+        assert bytes(data) == expected.view(torch.uint8).numpy().tobytes()
