@@ -32,11 +32,12 @@ ADAPTER_LOADS = ("gpu", "host")
 #: layerwise reload). A full push of the 1.5B shape took 0.080 s in place against 0.154 s layerwise (BENCHMARKS.md).
 ENV_WEIGHT_LOADS = "GRPO_SERVER_WEIGHT_LOADS"
 WEIGHT_LOADS = ("in-place", "layerwise")
-#: How the vllm engine's core hands the sampled tokens' logprobs to this server: `vllm` (the default: three small
-#: arrays per request per step, as vLLM 0.26 does) or `compact` (plain lists, engines/vllm_compact_logprobs.py;
-#: checked against vLLM's own at start, and vLLM's is kept where they differ). Not yet measured on a GPU.
+#: How the vllm engine's core hands the sampled tokens' logprobs to this server: `compact` (the default: plain
+#: lists, engines/vllm_compact_logprobs.py; checked against vLLM's own at start, and vLLM's is kept where they
+#: differ or on another vLLM release) or `vllm` (three small arrays per request per step, as vLLM 0.26 does).
+#: Generation with logprobs from a pushed-weights server: 19,512 tokens/s compact, 17,542 vllm (H100, BENCHMARKS.md).
 ENV_LOGPROB_TRANSPORT = "GRPO_SERVER_LOGPROB_TRANSPORT"
-LOGPROB_TRANSPORTS = ("vllm", "compact")
+LOGPROB_TRANSPORTS = ("compact", "vllm")
 #: Listen address unless told otherwise: pods pass 0.0.0.0 explicitly.
 DEFAULT_HOST = "127.0.0.1"
 #: How long SIGTERM waits for in-flight requests before closing them.
@@ -69,7 +70,7 @@ class ServerSettings:
     #: How the vllm engine loads weights pushed over ipc (WEIGHT_LOADS); the transformers engine ignores it.
     weight_loads: str = "in-place"
     #: How the vllm engine's core hands logprobs to the server (LOGPROB_TRANSPORTS); the transformers engine has none.
-    logprob_transport: str = "vllm"
+    logprob_transport: str = "compact"
 
 
 def env_flag(name: str) -> bool:
@@ -104,7 +105,7 @@ def weight_loads_from(raw: str | None) -> str:
 
 
 def logprob_transport_from(raw: str | None) -> str:
-    """${ENV_LOGPROB_TRANSPORT}: vllm (unset or empty) or compact."""
+    """${ENV_LOGPROB_TRANSPORT}: compact (unset or empty) or vllm."""
     return choice_from(ENV_LOGPROB_TRANSPORT, raw, LOGPROB_TRANSPORTS)
 
 

@@ -153,11 +153,12 @@ def test_the_vllm_engine_loads_pushed_weights_in_place_unless_the_env_says_layer
         weight_loads_from("inplace")
 
 
-def test_the_vllm_engine_hands_logprobs_as_vllm_does_unless_the_env_says_compact():
+def test_the_vllm_engine_hands_logprobs_compactly_unless_the_env_says_vllm():
     from grpo_server.settings import ENV_LOGPROB_TRANSPORT, ServerSettings, logprob_transport_from
 
-    assert logprob_transport_from(None) == logprob_transport_from("") == logprob_transport_from(" vLLM ") == "vllm"
-    assert logprob_transport_from("compact") == "compact"
-    assert ServerSettings.__dataclass_fields__["logprob_transport"].default == "vllm"
-    with pytest.raises(ValueError, match=rf"^\${ENV_LOGPROB_TRANSPORT}='lists' must be one of vllm, compact$"):
+    assert logprob_transport_from(None) == logprob_transport_from("") == "compact"
+    assert logprob_transport_from(" Compact ") == "compact"
+    assert logprob_transport_from("vllm") == "vllm"
+    assert ServerSettings.__dataclass_fields__["logprob_transport"].default == "compact"
+    with pytest.raises(ValueError, match=rf"^\${ENV_LOGPROB_TRANSPORT}='lists' must be one of compact, vllm$"):
         logprob_transport_from("lists")

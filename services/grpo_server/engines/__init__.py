@@ -70,7 +70,7 @@ def require_cuda_for_vllm() -> None:
 def create_engine(
     kind: str, model_dir: Path, served_name: str, server: ServerSpec, tokenizer: PreTrainedTokenizerBase,
     weight_transfer: str | None = None, adapter_loads: str = "gpu", weight_loads: str = "in-place",
-    logprob_transport: str = "vllm",
+    logprob_transport: str = "compact",
 ) -> Engine:
     """A not-yet-started engine of `kind` (vllm or transformers).
 
@@ -78,7 +78,7 @@ def create_engine(
     the transformers engine always receives over gloo and ignores it. `adapter_loads` (gpu, host) is where the
     vllm engine's workers load adapters; the transformers engine loads them with PEFT and ignores it.
     `weight_loads` (layerwise, in-place) is how the vllm engine loads weights pushed over ipc.
-    `logprob_transport` (vllm, compact) is how the vllm engine's core hands logprobs to the server.
+    `logprob_transport` (compact, vllm) is how the vllm engine's core hands logprobs to the server.
     """
     if kind == "vllm":
         require_cuda_for_vllm()

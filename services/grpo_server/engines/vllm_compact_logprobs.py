@@ -1,5 +1,5 @@
 """The sampled tokens' logprobs from vLLM's engine core to this server as msgpack's own lists
-(`GRPO_SERVER_LOGPROB_TRANSPORT=compact`), instead of three small numpy arrays per request per decoding step.
+(`GRPO_SERVER_LOGPROB_TRANSPORT=compact`, the default), not three small numpy arrays per request per decoding step.
 
 In vLLM 0.26 a step that returns logprobs costs the engine core, per request, three numpy views of the step's arrays
 (`LogprobsLists.slice_request`) and three calls into vLLM's array encoder, and costs the server's front end three

@@ -132,7 +132,7 @@ class VllmEngine:
     def __init__(
         self, model_dir: Path, served_name: str, server: ServerSpec, tokenizer: PreTrainedTokenizerBase,
         weight_transfer: str | None = None, adapter_loads: str = "gpu", weight_loads: str = "in-place",
-        logprob_transport: str = "vllm",
+        logprob_transport: str = "compact",
     ) -> None:
         if weight_transfer is not None and weight_transfer not in BACKENDS:
             raise ValueError(f"weight_transfer: {weight_transfer!r} is not one of {', '.join(BACKENDS)} (or None: off)")
