@@ -49,6 +49,8 @@ M=/tmp/m15; D=/tmp/m15-prompts.jsonl; A=/tmp/bench-adapter-r32
 PY=python3
 log() { echo "[$(date +%T)] $*"; }
 # An engine left by an interrupted phase would hold most of the GPU: end every GPU process first.
+# gen_server.py's work directory of the run that just ended (earlier runs leave theirs: a glob copies none of them)
+newest_bench_dir() { ls -dt /tmp/grpo-bench-* 2>/dev/null | head -1; }
 free_gpu() { nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9; sleep 2; }
 
 prep() {
@@ -130,7 +132,7 @@ gen_server() {
   timeout 380 $PY bench/gen_server.py http --model $M --adapter $A --out "$OUT/gen_http.json" \
     --direct "$OUT/gen_direct.json" --offline "${OFFLINE:-$OUT/gen_offline.json}" --profile "$OUT/profile" ${SKIP_RELOAD:+--skip-reload} \
     2>&1 | tail -30 > "$OUT/gen_http.log"
-  cp /tmp/grpo-bench-*/server.log "$OUT/gen_http_server.log" 2>/dev/null
+  cp "$(newest_bench_dir)/server.log" "$OUT/gen_http_server.log" 2>/dev/null
   tail -n 5 "$OUT/gen_direct.log" "$OUT/gen_http.log"
 }
 
@@ -196,7 +198,7 @@ gen_weights() {
     free_gpu
     GRPO_SERVER_LOGPROB_TRANSPORT=$t timeout ${GEN_TIMEOUT:-300} $PY bench/gen_server.py http --weights ipc --model $M \
       --adapter $A --out "$OUT/$name.json" ${offline[@]+"${offline[@]}"} 2>&1 | tail -30 > "$OUT/$name.log"
-    cp /tmp/grpo-bench-*/server.log "$OUT/${name}_server.log" 2>/dev/null
+    cp "$(newest_bench_dir)/server.log" "$OUT/${name}_server.log" 2>/dev/null
     tail -n 4 "$OUT/$name.log"
   done
 }
