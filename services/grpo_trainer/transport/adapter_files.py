@@ -155,10 +155,10 @@ def peft_adapter(model: Any, adapter_name: str = "default") -> tuple[dict[str, A
     dropped from the names afterwards. Under FSDP the tensors are shards (DTensors): each is gathered whole,
     which is a collective, so every process of the run must call this at the same point, in the same order.
 
-    PEFT's search walks the module tree once per module (~25 ms for 28 layers on a 2-core host, on the
-    training loop's path at every publish), and its answer, which parameter each key is, does not change
-    while the model trains: it is found once per model and adapter (`_adapter_layout`) and the parameters are
-    looked up by name at each call, so a replaced parameter is still read where it now is.
+    PEFT's search walks the module tree once per module (33 ms for 28 layers on the H100's host, on the
+    training loop's path at every publish: BENCHMARKS.md, sixth lease), and its answer, which parameter each
+    key is, does not change while the model trains: it is found once per model and adapter (`_adapter_layout`)
+    and the parameters are looked up by name at each call, so a replaced parameter is read where it now is.
     """
     from torch.distributed.tensor import DTensor
 
