@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     target = getattr(torch, args.dtype)
     tensors, _ = peft_adapter(model)
     names = sorted(tensors)
-    nbytes = sum(t.numel() for t in tensors.values()) * torch.empty(0, dtype=target).element_size()
+    numel = sum(t.numel() for t in tensors.values())
+    nbytes = numel * torch.empty(0, dtype=target).element_size()
     busy = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
 
     def pack_per_tensor() -> Any:
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         return torch.cat([tensors[n].detach().reshape(-1) for n in names]).to(target)
 
     def pin() -> Any:
-        return torch.empty(nbytes // 2, dtype=target, pin_memory=cuda)
+        return torch.empty(numel, dtype=target, pin_memory=cuda)
 
     def queue_busy() -> None:
         for _ in range(20 if cuda else 0):

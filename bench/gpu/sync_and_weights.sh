@@ -14,9 +14,6 @@
 #   bash bench/gpu/sync_and_weights.sh inplace2  # TRL colocate, full fine-tuning; the ipc GPU tests (both loads);
 #                                                # ours LoRA, spec defaults (adapter sync's phases in the trainer log)
 #   bash bench/gpu/sync_and_weights.sh inplace3  # TRL colocate, LoRA; ours LoRA with sync: merged, in-place loads
-# After them (in place the default, the adapter's fsync beside the server's load), two calls of one lease:
-#   bash bench/gpu/sync_and_weights.sh overlap1  # prep; TRL colocate and ours at prefetchDepth 1, full fine-tuning
-#   bash bench/gpu/sync_and_weights.sh overlap2  # TRL colocate and ours with the spec defaults, LoRA
 # Prefetch depth 1 as a default candidate (LoRA and full fine-tuning), the spec defaults with the sync's fsync beside
 # the load, and the compact logprob transport (GRPO_SERVER_LOGPROB_TRANSPORT=compact), three calls of one lease:
 #   bash bench/gpu/sync_and_weights.sh depth1   # prep; the adapter snapshot's phases (bench/adapter_snapshot.py);
@@ -33,7 +30,7 @@ R=$OUT; export OUT=/tmp/o; mkdir -p $OUT; S=$(date +%s)
 CAP=${CAP:-560}
 left() { echo $(( $1 - $(date +%s) + S )); }   # seconds until mark $1 of this call
 save() { tar czf "$R/$CALL.tgz" -C /tmp/o .; }   # after each run: a call cut off still returns what it measured
-CALL=${1:?call1, call2, call3, push, full, inplace1-3, overlap1-2, depth1-2 or compact}
+CALL=${1:?call1, call2, call3, push, full, inplace1-3, depth1-2 or compact}
 case $CALL in
   call1)  # in the call that installs vLLM
     bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
@@ -65,15 +62,6 @@ case $CALL in
     ONLY=colocate NAME=colocate GRPO_TIMEOUT=$(left $(( CAP / 2 ))) bash bench/gpu/session.sh grpo; save
     ONLY=server PREFETCH=0 SYNC=merged NAME=merged-inplace SERVER_ENV=GRPO_SERVER_WEIGHT_LOADS=in-place \
       GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
-  overlap1)  # in the call that installs vLLM
-    bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
-    ONLY=colocate TUNING=full PREFETCH=0 LR=${LR:-3e-4} NAME=full-colocate GRPO_TIMEOUT=$(left $(( CAP / 2 ))) \
-      bash bench/gpu/session.sh grpo; save
-    ONLY=server TUNING=full PREFETCH=1 LR=${LR:-3e-4} NAME=full-d1 GRPO_TIMEOUT=$(left $CAP) \
-      bash bench/gpu/session.sh grpo; save ;;
-  overlap2)
-    ONLY=colocate NAME=colocate GRPO_TIMEOUT=$(left $(( CAP / 2 ))) bash bench/gpu/session.sh grpo; save
-    ONLY=server PREFETCH=0 NAME=defaults GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
   depth1)  # in the call that installs vLLM
     bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
     PYTHONPATH=/tmp/site:services:operator:. timeout 120 python3 bench/adapter_snapshot.py --model /tmp/m15 \
