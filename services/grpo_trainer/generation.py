@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import math
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +38,11 @@ from grpo_trainer.transport.server_client import Completions
 MAX_REGENERATIONS = 4
 #: Most generation batches prefetching stays paused after batches drifted too far (DriftGuard).
 MAX_PREFETCH_HOLD = 32
+#: The share of the run's time that prefetched batches the policy moved too far from may waste: after one is
+#: discarded, prefetching stays paused until the time it cost is at most this share of the steps since (within
+#: MAX_PREFETCH_HOLD). A policy that moves too fast for prefetching (the H100's depth-1 run at lr 2e-2 discarded
+#: every prefetched batch, 1.9-45 nats a token against a 0.3 bound) then costs about this much over no prefetch.
+PROBE_BUDGET = 0.02
 
 PromptIds = list[list[int]]
 
@@ -115,6 +122,10 @@ class Prefetcher:
     #: Batches still to take before prefetching resumes, and back-offs in a row (see back_off).
     _hold: int = 0
     _back_offs: int = 0
+    #: When the last batch was taken, and the seconds between takes (a step), for back_off's budget.
+    _taken_at: float | None = None
+    _step_seconds: float | None = None
+    clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max(self.depth, 1), thread_name_prefix="grpo-prefetch")
@@ -142,6 +153,7 @@ class Prefetcher:
 
     def take(self, prompt_ids: PromptIds) -> concurrent.futures.Future[Completions]:
         """The answer for these prompts (prefetched, or requested now), then prefetch what follows."""
+        self._time_step()
         position = self._locate(prompt_ids)
         current: concurrent.futures.Future[Completions] | None = None
         while self._queue:
@@ -170,15 +182,33 @@ class Prefetcher:
         """Schedule positions requested ahead and not yet taken."""
         return [p.position for p in self._queue]
 
-    def back_off(self) -> None:
-        """A prefetched batch drifted too far from the policy that trained on it: the others are older still, so
-        drop them, and generate the next batches on demand: depth of them after the first back-off, twice as many
-        after each one in a row, up to MAX_PREFETCH_HOLD. While the policy moves faster per step than the bound
-        allows, prefetching is mostly paused (what it would generate could not be used); once a prefetched batch
-        is accepted again (`steady`), the pause starts short again."""
+    def _time_step(self) -> None:
+        now = self.clock()
+        if self._taken_at is not None:
+            seconds = now - self._taken_at
+            # a moving average: one slow step (a checkpoint, an evaluation) moves it by a quarter
+            self._step_seconds = seconds if self._step_seconds is None else 0.75 * self._step_seconds + 0.25 * seconds
+        self._taken_at = now
+
+    def back_off(self, wasted_seconds: float = 0.0) -> None:
+        """A prefetched batch drifted too far from the policy that trained on it, and handling it cost
+        `wasted_seconds`: the others are older still, so drop them, and generate the next batches on demand. The
+        pause is the longer of two: depth batches after the first back-off, twice as many after each one in a row;
+        and as many steps as keep the waste within PROBE_BUDGET of the run's time. Both stop at MAX_PREFETCH_HOLD.
+        While the policy moves faster per step than the bound allows, prefetching is mostly paused (what it would
+        generate could not be used); once a prefetched batch is accepted again (`steady`), the pause starts short
+        again."""
         self.discard()
         self._back_offs += 1
-        self._hold = min(self.depth * 2 ** (self._back_offs - 1), MAX_PREFETCH_HOLD)
+        hold = self.depth * 2 ** (self._back_offs - 1)
+        if wasted_seconds > 0 and self._step_seconds:
+            hold = max(hold, math.ceil(wasted_seconds / (PROBE_BUDGET * self._step_seconds)))
+        self._hold = min(hold, MAX_PREFETCH_HOLD)
+
+    @property
+    def held_batches(self) -> int:
+        """Batches still to take before prefetching resumes."""
+        return self._hold
 
     def steady(self) -> None:
         """A prefetched batch was close enough to the training policy: the next back-off starts short."""
@@ -306,18 +336,21 @@ class GenerationBackend:
         if result.seconds > 0:
             self.metrics.generation_tokens_per_second.set(result.num_tokens / result.seconds)
 
-    def regenerate_after_drift(self, drift: float, bound: float) -> None:
-        """The batch just generated drifted `drift` nats a token from the policy training on it: generate it
-        again from the current policy, and let the prefetcher back off."""
+    def regenerate_after_drift(self, drift: float, bound: float, wasted_seconds: float = 0.0) -> None:
+        """The batch just generated drifted `drift` nats a token from the policy training on it, and taking and
+        scoring it cost `wasted_seconds`: generate it again from the current policy, and let the prefetcher back
+        off."""
         self.metrics.discarded_batches.labels("policy_drift").inc()
+        paused = ""
+        if self.prefetcher is not None:
+            self.prefetcher.back_off(wasted_seconds)
+            paused = f"; prefetching paused for {self.prefetcher.held_batches} batches"
         self._log(
             f"discarded a generated batch (policy_drift: {drift:.3f} nats a token between its sampler and the "
-            f"policy training on it, bound {bound:g}; staleness {self.last_staleness}): generating it again from "
-            "the current policy"
+            f"policy training on it, bound {bound:g}; staleness {self.last_staleness}; {wasted_seconds:.2f}s spent "
+            f"on it): generating it again from the current policy{paused}"
         )
         self._fresh_next = True
-        if self.prefetcher is not None:
-            self.prefetcher.back_off()
 
     def drift_accepted(self) -> None:
         if self.prefetcher is not None:
@@ -365,6 +398,6 @@ class DriftGuard:
         backend.drift_accepted()
         return False
 
-    def regenerate(self, drift: float) -> None:
+    def regenerate(self, drift: float, wasted_seconds: float = 0.0) -> None:
         if self.backend is not None:
-            self.backend.regenerate_after_drift(drift, self.max_drift)
+            self.backend.regenerate_after_drift(drift, self.max_drift, wasted_seconds)

@@ -30,6 +30,7 @@ in CI, so an upgrade fails loudly instead of silently changing behaviour.
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -190,6 +191,7 @@ class ServerGRPOTrainer(GRPOTrainer):
         step_metrics = self._metrics["train"]
         marks = {key: len(values) for key, values in step_metrics.items()}
         tokens_seen = self.state.num_input_tokens_seen
+        started = time.monotonic()
         output = super()._generate_and_score_completions(inputs)
         drift = self._policy_drift(output)
         decision = [guard.rejects(drift)]  # rank 0 decides: it knows the batch's staleness
@@ -200,7 +202,7 @@ class ServerGRPOTrainer(GRPOTrainer):
         for key, values in step_metrics.items():  # the discarded batch's rewards, lengths, ratios
             del values[marks.get(key, 0):]
         self.state.num_input_tokens_seen = tokens_seen
-        guard.regenerate(drift)
+        guard.regenerate(drift, time.monotonic() - started)
         return super()._generate_and_score_completions(inputs)
 
     def _policy_drift(self, output: dict[str, Any]) -> float:

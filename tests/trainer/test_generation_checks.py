@@ -8,6 +8,8 @@ from pathlib import Path
 from trl.trainer.utils import RepeatSampler
 
 from grpo_trainer.generation import (
+    MAX_PREFETCH_HOLD,
+    PROBE_BUDGET,
     GenerationBackend,
     Prefetcher,
     StalenessBound,
@@ -83,6 +85,47 @@ def test_prefetcher_keeps_depth_requests_in_flight_at_once():
     assert prefetcher.take([[1]]).result(timeout=10).completion_ids == [[1]]
     prefetcher.close()
     assert sorted(started) == [1, 2]
+
+
+def held_steps(prefetcher: Prefetcher, steps: int, *, step_seconds: float, clock: list[float]) -> list[int]:
+    """Take the schedule's first `steps` batches (of more), `step_seconds` apart; the positions taken without a
+    request ahead."""
+    held = []
+    for position in range(steps):
+        clock[0] += step_seconds
+        prefetcher.take([[position]]).result(timeout=10)
+        if not prefetcher.pending_positions():
+            held.append(position)
+    return held
+
+
+def test_after_a_discarded_prefetch_the_pause_keeps_its_cost_within_the_probe_budget():
+    clock = [0.0]
+    prefetcher = Prefetcher(depth=1, request=lambda ids, number: completions(ids[0][0]),
+                            tokenize_rows=lambda rows: [[r] for r in rows], clock=lambda: clock[0])
+    prefetcher.set_schedule([[p] for p in range(200)])
+    for position in range(3):  # three steps of 0.8 s, prefetching one ahead
+        clock[0] += 0.8
+        prefetcher.take([[position]]).result(timeout=10)
+    assert prefetcher.pending_positions() == [3]
+    # the batch at 3 drifted too far, and taking and scoring it cost 0.4 s: a pause of 0.4 / (2% of 0.8 s) steps
+    prefetcher.back_off(wasted_seconds=0.4)
+    assert prefetcher.pending_positions() == []
+    expected = int(0.4 / (PROBE_BUDGET * 0.8) + 0.999)
+    assert 2 < expected < MAX_PREFETCH_HOLD
+    prefetcher.set_schedule([[p] for p in range(60)])
+    held = held_steps(prefetcher, 50, step_seconds=0.8, clock=clock)
+    assert held == list(range(expected)), held
+    # one more in a row that cost nothing measurable still doubles the depth-based pause; a costly one is capped
+    prefetcher.back_off()
+    assert prefetcher.held_batches == 2
+    prefetcher.back_off(wasted_seconds=100.0)
+    assert prefetcher.held_batches == MAX_PREFETCH_HOLD
+    # an accepted batch starts the count again, and a cheap discard then pauses for depth batches only
+    prefetcher.steady()
+    prefetcher.back_off(wasted_seconds=0.001)
+    assert prefetcher.held_batches == 1
+    prefetcher.close()
 
 
 def test_prefetcher_realigns_when_batches_were_skipped_on_resume():
