@@ -1,5 +1,6 @@
 """What vLLM 0.26's engine core and front end spend per generated token to hand the sampled tokens' logprobs over,
-with vLLM's own transport against the compact one (`GRPO_SERVER_LOGPROB_TRANSPORT=compact`,
+with vLLM's own transport against the compact one (`GRPO_SERVER_LOGPROB_TRANSPORT=compact`; its rows held in
+the engine core until each request's last step, and handed over each step as before December 7,
 grpo_server/engines/vllm_compact_logprobs.py), and without logprobs (issue 29: generation with logprobs ran at
 0.46x of plain on the H100, its front end busy 100% of the time).
 
@@ -39,13 +40,19 @@ from grpo_server.engines import vllm_compact_logprobs as compact
 STAGES = ("engine: outputs", "engine: encode", "front end: decode", "front end: process")
 
 
-def one_run(requests: int, steps: int, logprobs: int | None, slice_request: Callable[..., Any]) -> dict[str, float]:
-    """Microseconds per generated token in each stage, over `steps` steps of `requests` requests."""
+def one_run(requests: int, steps: int, logprobs: int | None, slice_request: Callable[..., Any],
+            hold: bool = False) -> dict[str, float]:
+    """Microseconds per generated token in each stage, over `steps` steps of `requests` requests; with `hold`, each
+    request's rows wait in the engine core for its last step (compact.hold_rows)."""
     processor = compact.output_processor(requests, steps, logprobs)
     encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
     rng = np.random.default_rng(0)
     spent = dict.fromkeys(STAGES, 0.0)
     finished = 0
+    held: compact.Held = {}
+
+    def final_only(request_id: str) -> bool:
+        return True  # the server's requests: final output only, no stop strings
     for step in range(steps):
         token_ids = rng.integers(0, 32000, size=(requests, 1)).astype(np.int32)
         lists = LogprobsLists(token_ids, -rng.random((requests, 1), dtype=np.float32),
@@ -56,6 +63,8 @@ def one_run(requests: int, steps: int, logprobs: int | None, slice_request: Call
         outputs = [EngineCoreOutput(request_id=f"r{i}", new_token_ids=[sampled[i]],
                                     new_logprobs=slice_request(lists, i, 1) if lists is not None else None,
                                     finish_reason=finish) for i in range(requests)]
+        if hold:
+            compact.hold_rows(outputs, final_only, held)
         t1 = time.perf_counter()
         frames = encoder.encode(EngineCoreOutputs(outputs=outputs))
         t2 = time.perf_counter()
@@ -79,7 +88,8 @@ def main() -> None:
     vllm_slice = LogprobsLists.slice_request
     assert compact.enable(), "the compact transport's self-check failed against this vLLM"
     compact._restore()  # each run below installs what it measures
-    transports = ("no logprobs", "vLLM's transport, logprobs=0", "compact transport, logprobs=0")
+    transports = ("no logprobs", "vLLM's transport, logprobs=0", "compact transport, logprobs=0",
+                  "compact transport, rows each step, logprobs=0")
     runs: dict[str, list[dict[str, float]]] = {f"{t}, gc {g}": [] for g in ("on", "off") for t in transports}
     for _ in range(args.repeats):
         for name in runs:
@@ -88,7 +98,8 @@ def main() -> None:
             if name.endswith("gc off"):
                 gc.disable()
             runs[name].append(one_run(args.requests, args.steps, None if name.startswith("no logprobs") else 0,
-                                      compact._slice_rows if name.startswith("compact") else vllm_slice))
+                                      compact._slice_rows if name.startswith("compact") else vllm_slice,
+                                      hold=name.startswith("compact") and "each step" not in name))
             gc.enable()
             compact._restore()
     medians = {name: {stage: statistics.median(r[stage] for r in rs) for stage in STAGES} for name, rs in runs.items()}
@@ -100,8 +111,12 @@ def main() -> None:
     figures = []
     for g in ("on", "off"):
         vllm_run, ours = totals[f"{transports[1]}, gc {g}"], totals[f"{transports[2]}, gc {g}"]
+        each_step = totals[f"{transports[3]}, gc {g}"]
         figures += [figure(f"{side} per generated token with logprobs, compact transport, gc {g}", ours[side], "µs",
                            baseline="vLLM 0.26's own transport", baseline_value=vllm_run[side],
+                           higher_is_better=False) for side in ("engine core", "front end")]
+        figures += [figure(f"{side} per generated token with logprobs, compact transport, gc {g}", ours[side], "µs",
+                           baseline="the same, rows handed over each step", baseline_value=each_step[side],
                            higher_is_better=False) for side in ("engine core", "front end")]
     dump(args.out, {
         "benchmark": "vLLM 0.26's logprob transport, engine core to front end, per generated token (CPU)",

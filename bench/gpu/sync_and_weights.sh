@@ -22,6 +22,11 @@
 #                                               # prefetchDepth 1, full fine-tuning at LR (default 3e-4)
 #   bash bench/gpu/sync_and_weights.sh compact  # gen-weights with both transports (no LLM.generate baseline: the
 #                                               # third lease's 33,454 tokens/s plain on the H100)
+# The compact transport's rows held until each request's last step against plain LLM.generate, and prefetch depth 1
+# with the budgeted back-off against no prefetch (issue 28 item 3), two calls of one lease:
+#   bash bench/gpu/sync_and_weights.sh held1    # prep; gen-weights, compact transport, LLM.generate baseline;
+#                                               # ours at prefetchDepth 1, LoRA
+#   bash bench/gpu/sync_and_weights.sh held2    # ours with the spec defaults, LoRA; TRL colocate, LoRA
 # CAP: seconds the call may take (default 560). bench/gpu/curves.py prints each run's steps beside its curves.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -30,7 +35,7 @@ R=$OUT; export OUT=/tmp/o; mkdir -p $OUT; S=$(date +%s)
 CAP=${CAP:-560}
 left() { echo $(( $1 - $(date +%s) + S )); }   # seconds until mark $1 of this call
 save() { tar czf "$R/$CALL.tgz" -C /tmp/o .; }   # after each run: a call cut off still returns what it measured
-CALL=${1:?call1, call2, call3, push, full, inplace1-3, depth1-2 or compact}
+CALL=${1:?call1, call2, call3, push, full, inplace1-3, depth1-2, compact or held1-2}
 case $CALL in
   call1)  # in the call that installs vLLM
     bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
@@ -77,6 +82,14 @@ case $CALL in
   compact)
     OFFLINE_GEN=0 TRANSPORTS="vllm compact" GEN_TIMEOUT=$(( ($(left $CAP) - 10) / 2 )) \
       bash bench/gpu/session.sh gen-weights; save ;;
+  held1)  # in the call that installs vLLM
+    bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
+    TRANSPORTS=compact GEN_TIMEOUT=200 bash bench/gpu/session.sh gen-weights; save
+    grep -h "logprob transport compact\|logprobs reach the server" $OUT/gen_http_weights_compact_server.log | head -3
+    ONLY=server PREFETCH=1 NAME=d1 GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
+  held2)
+    ONLY=server PREFETCH=0 NAME=defaults GRPO_TIMEOUT=$(left $(( CAP / 2 ))) bash bench/gpu/session.sh grpo; save
+    ONLY=colocate NAME=colocate GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
   full)
     TUNING=full PREFETCH=0 LR=${LR:-3e-4} NAME=full GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
 esac

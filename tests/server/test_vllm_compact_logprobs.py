@@ -16,6 +16,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here (the GPU server image's smoke test runs the check)")
 
+from types import SimpleNamespace
+
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from vllm.v1.engine.logprobs import LogprobsProcessor
 from vllm.v1.outputs import LogprobsLists
 from vllm.v1.serial_utils import MsgpackDecoder
 
@@ -36,9 +43,14 @@ def test_the_compact_transport_gives_every_request_vllm_s_own_logprobs_ranks_and
     assert compact.enable()
 
     assert MsgpackDecoder._decode_ndarray is compact._decode_rows
+    assert LogprobsProcessor._update_sample_logprobs is compact._extend_rows
     assert os.environ[compact.ENV_ENGINE_SIDE] == str(os.getpid())
-    assert LogprobsLists.slice_request is not compact._slice_rows  # the server's own process keeps vLLM's
+    # the server's own process keeps vLLM's engine side
+    assert LogprobsLists.slice_request is not compact._slice_rows
+    assert Scheduler.update_from_output is not compact._update_from_output_holding
     for case, want in zip(cases, expected, strict=True):
+        # rows held until each request's last step (every other request ends a step early), and rows each step
+        assert compact.run_outputs(*case, seed=7, slice_request=compact._slice_rows, hold=True) == want
         assert compact.run_outputs(*case, seed=7, slice_request=compact._slice_rows) == want
         assert compact.run_outputs(*case, seed=7, slice_request=LogprobsLists.slice_request) == want
     tokens, logprobs, ranks, cumulative = expected[0][0]
@@ -61,6 +73,69 @@ def test_an_engine_side_that_differs_from_vllm_s_is_caught_at_start_and_nothing_
     assert compact.ENV_ENGINE_SIDE not in os.environ
 
 
+def test_an_engine_side_that_loses_held_rows_is_caught_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = compact.hold_rows
+
+    def loses_the_last_step(outputs, holds, held):
+        for output in outputs:
+            if output.finish_reason is not None:
+                output.new_logprobs = None
+        original(outputs, holds, held)
+
+    monkeypatch.setattr(compact, "hold_rows", loses_the_last_step)
+
+    assert not compact.enable()
+    assert LogprobsProcessor._update_sample_logprobs is compact._originals["update_sample_logprobs"]
+
+
+def step_output(request_id: str, token: int, finished: bool = False) -> EngineCoreOutput:
+    rows = LogprobsLists([[token]], [[-0.5 * token]], [token], None)
+    return EngineCoreOutput(request_id=request_id, new_token_ids=[token], new_logprobs=rows,
+                            finish_reason=FinishReason.LENGTH if finished else None)
+
+
+def test_the_scheduler_holds_rows_only_of_final_only_requests_without_stop_strings_and_forgets_aborted_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Scheduler.update_from_output as the engine core's plugin replaces it: vLLM's method gives each step's outputs
+    (here, three steps given in turn); the rows of a request that streams or has stop strings are never held back,
+    since its front end reads them before the last step."""
+    kinds = {
+        "final": SamplingParams(max_tokens=3, logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY),
+        "stream": SamplingParams(max_tokens=3, logprobs=0, output_kind=RequestOutputKind.DELTA),
+        "stop": SamplingParams(max_tokens=3, logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, stop=["x"]),
+        "aborted": SamplingParams(max_tokens=3, logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY),
+    }
+    scheduler = SimpleNamespace(requests={k: SimpleNamespace(sampling_params=p) for k, p in kinds.items()})
+    steps = [
+        [step_output(k, 1) for k in kinds],
+        [step_output(k, 2) for k in kinds],
+        [step_output(k, 3, finished=True) for k in ("final", "stream", "stop")],
+    ]
+    given = iter(steps)
+    monkeypatch.setitem(compact._originals, "update_from_output",
+                        lambda self, scheduler_output, runner_output: {0: EngineCoreOutputs(outputs=next(given))})
+    monkeypatch.setattr(compact, "_held", {})
+
+    sent = []
+    for step in range(3):
+        if step == 1:
+            del scheduler.requests["aborted"]  # aborted by its client before the engine core's next step
+        if step == 2:
+            for finished in ("final", "stream", "stop"):
+                del scheduler.requests[finished]  # vLLM frees a request in the step that finishes it
+        sent.append({o.request_id: o.new_logprobs for o in
+                     compact._update_from_output_holding(scheduler, None, None)[0].outputs})
+
+    assert sent[0]["final"] is None and sent[1]["final"] is None
+    assert sent[2]["final"].logprob_token_ids == [[1], [2], [3]]
+    assert sent[2]["final"].logprobs == [[-0.5], [-1.0], [-1.5]] and sent[2]["final"].sampled_token_ranks == [1, 2, 3]
+    for kept in ("stream", "stop"):
+        assert [s[kept].logprob_token_ids for s in sent] == [[[1]], [[2]], [[3]]]
+    assert sent[0]["aborted"] is None  # held, then its request went away: nothing of it is kept
+    assert compact._held == {}
+
+
 def test_another_vllm_release_keeps_vllm_s_transport(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compact.vllm, "__version__", "0.27.0")
 
@@ -74,8 +149,10 @@ PLUGIN = """
 import os, sys
 from vllm.v1.outputs import LogprobsLists
 from grpo_server.engines import vllm_compact_logprobs as compact
+from vllm.v1.core.sched.scheduler import Scheduler
 compact.engine_plugin()
-print(LogprobsLists.slice_request is compact._slice_rows)
+print(LogprobsLists.slice_request is compact._slice_rows,
+      Scheduler.update_from_output is compact._update_from_output_holding)
 """
 
 
@@ -94,4 +171,4 @@ def test_the_engine_plugin_acts_only_in_a_process_the_asking_server_started(serv
         env[compact.ENV_ENGINE_SIDE] = server
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == str(patched)
+    assert done.stdout.strip().splitlines()[-1] == f"{patched} {patched}"

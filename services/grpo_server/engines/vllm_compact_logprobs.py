@@ -7,16 +7,21 @@ calls into its ext and array decoders (`bench/vllm_logprobs_transport.py` measur
 with `logprobs=0` ran at 0.46x of plain in-process, its front end busy 100% of the time (BENCHMARKS.md); GRPO needs
 the sampled token's logprob at every position.
 
-`compact` replaces two of vLLM 0.26.0's methods with ones that give the same logprobs:
+`compact` replaces four of vLLM 0.26.0's methods with ones that give the same logprobs:
 
-- engine core: `LogprobsLists.slice_request` converts the step's arrays to lists once per step and gives each
-  request its rows as list slices, which msgpack encodes natively (`engine_plugin`, a `vllm.general_plugins` entry
-  point, which vLLM loads in every process of the engine; it acts only in a process the server started after
-  asking for it, `ENV_ENGINE_SIDE`, never in the server's own, where an engine core without multiprocessing would
-  hand the rows to the front end undecoded);
-- front end: `MsgpackDecoder._decode_ndarray` makes an array of rows (vLLM's own inline form,
-  `[dtype, shape, data]`, begins with the dtype's string; rows never hold one), which vLLM's output processor reads
-  as before.
+- engine core (`engine_plugin`, a `vllm.general_plugins` entry point, which vLLM loads in every process of the
+  engine; it acts only in a process the server started after asking for it, `ENV_ENGINE_SIDE`, never in the
+  server's own, where an engine core without multiprocessing would hand the rows to the front end undecoded):
+  - `LogprobsLists.slice_request` converts the step's arrays to lists once per step and gives each request its
+    rows as list slices, which msgpack encodes natively;
+  - `Scheduler.update_from_output` keeps the rows of a request that asked for its final output only (as this
+    server's do, without stop strings, which the front end checks) until its last step, and hands them over
+    with that step (`hold_rows`): one message field per request rather than one per request per step;
+- front end:
+  - `MsgpackDecoder._decode_ndarray` makes an array of rows (vLLM's own inline form, `[dtype, shape, data]`,
+    begins with the dtype's string; rows never hold one);
+  - `LogprobsProcessor._update_sample_logprobs` appends a request's rows to its flat logprobs in bulk, not one
+    position at a time, where nothing is detokenized (`_extend_rows`; otherwise vLLM's own).
 
 `enable()`, in the server before the engine starts, first runs vLLM's own path and the compact one on the same
 outputs (`self_check`: several requests, top-k and multi-token steps, through vLLM's encoder, decoder and output
@@ -29,14 +34,16 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import vllm
 from vllm import SamplingParams
+from vllm.logprobs import FlatLogprobs
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from vllm.v1.engine.logprobs import LogprobsProcessor
 from vllm.v1.engine.output_processor import OutputProcessor
 from vllm.v1.outputs import LogprobsLists
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
@@ -73,9 +80,68 @@ def _slice_rows(lists: Any, req_idx: int, num_positions: int) -> Any:
     return LogprobsLists(token_ids[req_idx:end], logprobs[req_idx:end], ranks[req_idx:end], None)
 
 
+#: Rows held back: request id -> (token ids, logprobs, ranks), each a list of rows (see hold_rows).
+Held = dict[str, tuple[list[Any], list[Any], list[Any]]]
+_held: Held = {}
+
+
+def hold_rows(outputs: Iterable[EngineCoreOutput], holds: Callable[[str], bool], held: Held) -> None:
+    """One step's outputs: an unfinished one whose request `holds` gives its logprob rows to `held`; a finished one
+    takes every row held for its request, in order, before its own. The rows are `_slice_rows`' lists."""
+    for output in outputs:
+        rows = output.new_logprobs
+        if output.finish_reason is None:
+            if rows is None or not holds(output.request_id):
+                continue
+            kept = held.get(output.request_id)
+            if kept is None:
+                held[output.request_id] = (rows.logprob_token_ids, rows.logprobs, rows.sampled_token_ranks)
+            else:
+                kept[0].extend(rows.logprob_token_ids)
+                kept[1].extend(rows.logprobs)
+                kept[2].extend(rows.sampled_token_ranks)
+            output.new_logprobs = None
+            continue
+        kept = held.pop(output.request_id, None)
+        if kept is None:
+            continue
+        if rows is not None:
+            kept[0].extend(rows.logprob_token_ids)
+            kept[1].extend(rows.logprobs)
+            kept[2].extend(rows.sampled_token_ranks)
+        output.new_logprobs = LogprobsLists(kept[0], kept[1], kept[2], None)
+
+
+def _final_only(params: SamplingParams | None) -> bool:
+    """A request whose logprobs may wait for its last step: it wants its final output only, and has no stop
+    strings (the front end ends those, and would never see the held rows)."""
+    return params is not None and params.output_kind == RequestOutputKind.FINAL_ONLY and not params.stop
+
+
+def _update_from_output_holding(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+    """`Scheduler.update_from_output`, then `hold_rows` over each client's outputs."""
+    engine_core_outputs = _originals["update_from_output"](self, scheduler_output, model_runner_output)
+    requests = self.requests
+
+    def holds(request_id: str) -> bool:
+        request = requests.get(request_id)
+        return request is not None and _final_only(request.sampling_params)
+
+    for client_outputs in engine_core_outputs.values():
+        hold_rows(client_outputs.outputs, holds, _held)
+    if len(_held) > len(requests):  # requests aborted or failed before their last step
+        for request_id in [r for r in _held if r not in requests]:
+            del _held[request_id]
+    return engine_core_outputs
+
+
 def _patch_engine_side() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler  # the engine core's: the server's process needs it not
+
     _originals.setdefault("slice_request", LogprobsLists.slice_request)
+    _originals.setdefault("update_from_output", Scheduler.update_from_output)
     LogprobsLists.slice_request = _slice_rows
+    Scheduler.update_from_output = _update_from_output_holding
 
 
 def engine_plugin() -> None:
@@ -85,6 +151,8 @@ def engine_plugin() -> None:
     server = os.environ.get(ENV_ENGINE_SIDE, "")
     if server.isdigit() and int(server) != os.getpid() and _vllm_supported():
         _patch_engine_side()
+        log.info("logprob transport compact: the engine core's side is on in process %d (rows as lists, held "
+                 "until each final-only request's last step)", os.getpid())
 
 
 # ---------------------------------------------------------------------------------------------------- the front end
@@ -97,16 +165,55 @@ def _decode_rows(decoder: Any, arr: Any) -> Any:
     return _originals["decode_ndarray"](decoder, arr)
 
 
+def _extend_rows(processor: Any, logprobs_lists: Any) -> None:
+    """`LogprobsProcessor._update_sample_logprobs` for flat logprobs without detokenization: every row at once.
+    vLLM's appends each row's first 1 + num_logprobs columns (all where num_logprobs is -1), the ranks being the
+    sampled token's then 1, 2, ..., and adds the sampled token's logprob to the cumulative one row by row."""
+    flat = processor.logprobs
+    if processor.tokenizer is not None or type(flat) is not FlatLogprobs or processor.cumulative_logprob is None:
+        _originals["update_sample_logprobs"](processor, logprobs_lists)
+        return
+    token_ids, logprobs, ranks, _ = logprobs_lists
+    rows, columns = logprobs.shape
+    if processor.num_logprobs != -1:
+        columns = min(columns, processor.num_logprobs + 1)
+    values = logprobs[:, :columns].tolist()
+    cumulative = processor.cumulative_logprob
+    for row in values:
+        cumulative += row[0]
+    processor.cumulative_logprob = cumulative
+    base = len(flat.logprobs)
+    flat.start_indices.extend(range(base, base + rows * columns, columns))
+    flat.end_indices.extend(range(base + columns, base + rows * columns + 1, columns))
+    flat.token_ids.extend(token_ids[:, :columns].ravel().tolist())
+    flat.logprobs.extend(logprobs[:, :columns].ravel().tolist())
+    if columns == 1:
+        flat.ranks.extend(ranks.tolist())
+    else:
+        for rank in ranks.tolist():
+            flat.ranks.append(rank)
+            flat.ranks.extend(range(1, columns))
+    flat.decoded_tokens.extend([None] * (rows * columns))
+
+
 def _patch_front_side() -> None:
     _originals.setdefault("decode_ndarray", MsgpackDecoder._decode_ndarray)
+    _originals.setdefault("update_sample_logprobs", LogprobsProcessor._update_sample_logprobs)
     MsgpackDecoder._decode_ndarray = _decode_rows
+    LogprobsProcessor._update_sample_logprobs = _extend_rows
 
 
 def _restore() -> None:
     if "slice_request" in _originals:
         LogprobsLists.slice_request = _originals["slice_request"]
+    if "update_from_output" in _originals:
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        Scheduler.update_from_output = _originals["update_from_output"]
     if "decode_ndarray" in _originals:
         MsgpackDecoder._decode_ndarray = _originals["decode_ndarray"]
+    if "update_sample_logprobs" in _originals:
+        LogprobsProcessor._update_sample_logprobs = _originals["update_sample_logprobs"]
 
 
 # -------------------------------------------------------------------------------------------------- on, and checked
@@ -132,15 +239,19 @@ def output_processor(requests: int, max_tokens: int, num_logprobs: int | None) -
 
 
 def run_outputs(requests: int, steps: int, num_logprobs: int, positions: int, seed: int,
-                slice_request: Callable[..., Any]) -> list[tuple[list[int], list[float], list[int | None], float]]:
-    """Generate `steps` steps of `positions` tokens for `requests` requests through vLLM's own engine-core output
-    classes, msgpack encoder and decoder and output processor (tokenizer off, flat logprobs, final output only),
-    each request's logprobs sliced by `slice_request`; each request's final token ids, logprobs, ranks and
+                slice_request: Callable[..., Any], hold: bool = False,
+                ) -> list[tuple[list[int], list[float], list[int | None], float]]:
+    """Generate up to `steps` steps of `positions` tokens for `requests` requests (every other one ends a step
+    early) through vLLM's own engine-core output classes, msgpack encoder and decoder and output processor
+    (tokenizer off, flat logprobs, final output only), each request's logprobs sliced by `slice_request` and, with
+    `hold`, held back until its last step by `hold_rows`; each request's final token ids, logprobs, ranks and
     cumulative logprob."""
     processor = output_processor(requests, steps * positions, num_logprobs)
     encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
     rng = np.random.default_rng(seed)
     columns = num_logprobs + 1
+    last_step = [steps - 1 - (i % 2 if steps > 1 else 0) for i in range(requests)]
+    held: Held = {}
     finals: dict[str, Any] = {}
     for step in range(steps):
         rows = requests * positions
@@ -151,8 +262,10 @@ def run_outputs(requests: int, steps: int, num_logprobs: int, positions: int, se
         sampled = lists.logprob_token_ids[:, 0].tolist()
         outputs = [EngineCoreOutput(request_id=f"r{i}", new_token_ids=sampled[i * positions:(i + 1) * positions],
                                     new_logprobs=slice_request(lists, i, positions),
-                                    finish_reason=FinishReason.LENGTH if step == steps - 1 else None)
-                   for i in range(requests)]
+                                    finish_reason=FinishReason.LENGTH if step == last_step[i] else None)
+                   for i in range(requests) if step <= last_step[i]]
+        if hold:
+            hold_rows(outputs, lambda request_id: True, held)
         received = decoder.decode(encoder.encode(EngineCoreOutputs(outputs=outputs)))
         for output in processor.process_outputs(received.outputs).request_outputs:
             finals[output.request_id] = output
@@ -170,14 +283,14 @@ def self_check() -> str | None:
     None when every request's logprobs agree, else what differed. Leaves the front end replaced when they agree."""
     _restore()
     original_slice = _originals.get("slice_request", LogprobsLists.slice_request)
-    cases = [(5, 4, 0, 1), (3, 3, 2, 1), (3, 3, 1, 2)]  # requests, steps, top-k, tokens per step
+    cases = [(5, 4, 0, 1), (3, 3, 2, 1), (3, 3, 1, 2), (2, 1, 0, 1)]  # requests, steps, top-k, tokens per step
     expected = [run_outputs(*case, seed=n, slice_request=original_slice) for n, case in enumerate(cases)]
     _patch_front_side()
     try:
         for n, case in enumerate(cases):
             # rows from an engine core that loaded the plugin, and vLLM's arrays from one that did not
-            for engine, slice_request in (("compact", _slice_rows), ("vLLM's", original_slice)):
-                got = run_outputs(*case, seed=n, slice_request=slice_request)
+            for engine, slice_request, hold in (("compact", _slice_rows, True), ("vLLM's", original_slice, False)):
+                got = run_outputs(*case, seed=n, slice_request=slice_request, hold=hold)
                 if got != expected[n]:
                     _restore()
                     return (f"{engine} engine side, requests/steps/top-k/tokens per step {case}: "
