@@ -109,7 +109,7 @@ def test_the_scheduler_holds_rows_only_of_final_only_requests_without_stop_strin
     scheduler = SimpleNamespace(requests={k: SimpleNamespace(sampling_params=p) for k, p in kinds.items()})
     steps = [
         [step_output(k, 1) for k in kinds],
-        [step_output(k, 2) for k in kinds],
+        [step_output(k, 2) for k in ("final", "stream", "stop")],
         [step_output(k, 3, finished=True) for k in ("final", "stream", "stop")],
     ]
     given = iter(steps)
@@ -117,15 +117,19 @@ def test_the_scheduler_holds_rows_only_of_final_only_requests_without_stop_strin
                         lambda self, scheduler_output, runner_output: {0: EngineCoreOutputs(outputs=next(given))})
     monkeypatch.setattr(compact, "_held", {})
 
-    sent = []
+    sent, aborted_held = [], []
     for step in range(3):
+        finished_before: set[str] = set()
         if step == 1:
-            del scheduler.requests["aborted"]  # aborted by its client before the engine core's next step
+            del scheduler.requests["aborted"]  # aborted by its client after its first step: no more outputs
         if step == 2:
+            finished_before = {"aborted"}  # what the scheduler tells its workers to free at the next step
             for finished in ("final", "stream", "stop"):
                 del scheduler.requests[finished]  # vLLM frees a request in the step that finishes it
+        scheduler_output = SimpleNamespace(finished_req_ids=finished_before)
         sent.append({o.request_id: o.new_logprobs for o in
-                     compact._update_from_output_holding(scheduler, None, None)[0].outputs})
+                     compact._update_from_output_holding(scheduler, scheduler_output, None)[0].outputs})
+        aborted_held.append("aborted" in compact._held)
 
     assert sent[0]["final"] is None and sent[1]["final"] is None
     assert sent[2]["final"].logprob_token_ids == [[1], [2], [3]]
@@ -133,6 +137,7 @@ def test_the_scheduler_holds_rows_only_of_final_only_requests_without_stop_strin
     for kept in ("stream", "stop"):
         assert [s[kept].logprob_token_ids for s in sent] == [[[1]], [[2]], [[3]]]
     assert sent[0]["aborted"] is None  # held, then its request went away: nothing of it is kept
+    assert aborted_held == [True, True, False]
     assert compact._held == {}
 
 

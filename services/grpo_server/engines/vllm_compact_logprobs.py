@@ -119,7 +119,10 @@ def _final_only(params: SamplingParams | None) -> bool:
 
 
 def _update_from_output_holding(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
-    """`Scheduler.update_from_output`, then `hold_rows` over each client's outputs."""
+    """`Scheduler.update_from_output`, then `hold_rows` over each client's outputs. The rows of a request that ended
+    without a last output (aborted by its client) go when the scheduler reports it finished."""
+    for request_id in scheduler_output.finished_req_ids:
+        _held.pop(request_id, None)
     engine_core_outputs = _originals["update_from_output"](self, scheduler_output, model_runner_output)
     requests = self.requests
 
@@ -129,9 +132,6 @@ def _update_from_output_holding(self: Any, scheduler_output: Any, model_runner_o
 
     for client_outputs in engine_core_outputs.values():
         hold_rows(client_outputs.outputs, holds, _held)
-    if len(_held) > len(requests):  # requests aborted or failed before their last step
-        for request_id in [r for r in _held if r not in requests]:
-            del _held[request_id]
     return engine_core_outputs
 
 
