@@ -122,9 +122,9 @@ class Prefetcher:
     #: Batches still to take before prefetching resumes, and back-offs in a row (see back_off).
     _hold: int = 0
     _back_offs: int = 0
-    #: When the last batch was taken, and the seconds between takes (a step), for back_off's budget.
+    #: When the last batch was taken, and the seconds between the last takes (steps), for back_off's budget.
     _taken_at: float | None = None
-    _step_seconds: float | None = None
+    _step_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=8))
     clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
@@ -185,14 +185,12 @@ class Prefetcher:
     def _time_step(self) -> None:
         now = self.clock()
         if self._taken_at is not None:
-            seconds = now - self._taken_at
-            # a moving average: one slow step (a checkpoint, an evaluation) moves it by a quarter
-            self._step_seconds = seconds if self._step_seconds is None else 0.75 * self._step_seconds + 0.25 * seconds
+            self._step_seconds.append(now - self._taken_at)
         self._taken_at = now
 
     def back_off(self, wasted_seconds: float = 0.0) -> None:
-        """A prefetched batch drifted too far from the policy that trained on it, and handling it cost
-        `wasted_seconds`: the others are older still, so drop them, and generate the next batches on demand. The
+        """A prefetched batch drifted too far from the policy that trained on it, and it cost `wasted_seconds`: the
+        others are older still, so drop them, and generate the next batches on demand. The
         pause is the longer of two: depth batches after the first back-off, twice as many after each one in a row;
         and as many steps as keep the waste within PROBE_BUDGET of the run's time. Both stop at MAX_PREFETCH_HOLD.
         While the policy moves faster per step than the bound allows, prefetching is mostly paused (what it would
@@ -202,7 +200,8 @@ class Prefetcher:
         self._back_offs += 1
         hold = self.depth * 2 ** (self._back_offs - 1)
         if wasted_seconds > 0 and self._step_seconds:
-            hold = max(hold, math.ceil(wasted_seconds / (PROBE_BUDGET * self._step_seconds)))
+            # against the quickest recent step: the first steps (compilation, warm-up) would shorten the pause
+            hold = max(hold, math.ceil(wasted_seconds / (PROBE_BUDGET * min(self._step_seconds))))
         self._hold = min(hold, MAX_PREFETCH_HOLD)
 
     @property
@@ -256,6 +255,8 @@ class GenerationBackend:
         self._log = log
         self._request_ids = itertools.count(1)
         self.last_staleness: int | None = None
+        #: Seconds the server took to generate the last batch recorded (regenerate_after_drift's cost).
+        self.last_generation_seconds = 0.0
         #: The next batch is generated now, from the current policy, not taken from the prefetcher.
         self._fresh_next = False
         metrics.staleness_bound_steps.set(bound.steps)
@@ -326,6 +327,7 @@ class GenerationBackend:
             self.last_staleness = staleness
             self.metrics.staleness_steps.observe(staleness)
             self.metrics.staleness_versions.observe(self.bound.versions(staleness))
+        self.last_generation_seconds = result.seconds
         self._log(
             f"generated {result.num_tokens} tokens in {result.seconds:.2f}s ({self.sync.kind} "
             f"v{self.sync.version_of(result)}, "
@@ -336,19 +338,24 @@ class GenerationBackend:
         if result.seconds > 0:
             self.metrics.generation_tokens_per_second.set(result.num_tokens / result.seconds)
 
-    def regenerate_after_drift(self, drift: float, bound: float, wasted_seconds: float = 0.0) -> None:
+    def regenerate_after_drift(self, drift: float, bound: float, spent_seconds: float = 0.0) -> None:
         """The batch just generated drifted `drift` nats a token from the policy training on it, and taking and
-        scoring it cost `wasted_seconds`: generate it again from the current policy, and let the prefetcher back
-        off."""
+        scoring it took `spent_seconds`: generate it again from the current policy, and let the prefetcher back
+        off. What the batch cost is that time and its generation's: on one GPU the generation slowed the step
+        it ran beside by about its own length (the H100, lr 2e-2: 0.26 and 0.43 s beside 0.40 and 0.45 s of
+        generation); on a GPU of its own it cost nothing, and the pause is longer than it needs to be.
+        """
         self.metrics.discarded_batches.labels("policy_drift").inc()
         paused = ""
+        wasted_seconds = spent_seconds + self.last_generation_seconds
         if self.prefetcher is not None:
             self.prefetcher.back_off(wasted_seconds)
             paused = f"; prefetching paused for {self.prefetcher.held_batches} batches"
         self._log(
             f"discarded a generated batch (policy_drift: {drift:.3f} nats a token between its sampler and the "
-            f"policy training on it, bound {bound:g}; staleness {self.last_staleness}; {wasted_seconds:.2f}s spent "
-            f"on it): generating it again from the current policy{paused}"
+            f"policy training on it, bound {bound:g}; staleness {self.last_staleness}; it cost "
+            f"{wasted_seconds:.2f}s, {self.last_generation_seconds:.2f} of them generating): generating it again from "
+            f"the current policy{paused}"
         )
         self._fresh_next = True
 
@@ -398,6 +405,6 @@ class DriftGuard:
         backend.drift_accepted()
         return False
 
-    def regenerate(self, drift: float, wasted_seconds: float = 0.0) -> None:
+    def regenerate(self, drift: float, spent_seconds: float = 0.0) -> None:
         if self.backend is not None:
-            self.backend.regenerate_after_drift(drift, self.max_drift, wasted_seconds)
+            self.backend.regenerate_after_drift(drift, self.max_drift, spent_seconds)
