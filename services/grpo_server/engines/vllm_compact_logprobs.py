@@ -151,8 +151,10 @@ def engine_plugin() -> None:
     server = os.environ.get(ENV_ENGINE_SIDE, "")
     if server.isdigit() and int(server) != os.getpid() and _vllm_supported():
         _patch_engine_side()
-        log.info("logprob transport compact: the engine core's side is on in process %d (rows as lists, held "
-                 "until each final-only request's last step)", os.getpid())
+        # under vLLM's logger, which vLLM configures in the engine core (this module's own is not there)
+        logging.getLogger("vllm.grpo_compact_logprobs").info(
+            "logprob transport compact: the engine core's side is on in process %d (rows as lists, held until "
+            "each final-only request's last step)", os.getpid())
 
 
 # ---------------------------------------------------------------------------------------------------- the front end
