@@ -190,12 +190,11 @@ class Prefetcher:
 
     def back_off(self, wasted_seconds: float = 0.0) -> None:
         """A prefetched batch drifted too far from the policy that trained on it, and it cost `wasted_seconds`: the
-        others are older still, so drop them, and generate the next batches on demand. The
-        pause is the longer of two: depth batches after the first back-off, twice as many after each one in a row;
-        and as many steps as keep the waste within PROBE_BUDGET of the run's time. Both stop at MAX_PREFETCH_HOLD.
-        While the policy moves faster per step than the bound allows, prefetching is mostly paused (what it would
-        generate could not be used); once a prefetched batch is accepted again (`steady`), the pause starts short
-        again."""
+        others are older still, so drop them, and generate the next batches on demand. The pause is the longer of
+        two: depth batches after the first back-off, twice as many after each one in a row; and as many steps as
+        keep the waste within PROBE_BUDGET of the run's time. Both stop at MAX_PREFETCH_HOLD. While the policy
+        moves faster per step than the bound allows, prefetching is mostly paused (what it would generate could
+        not be used); once a prefetched batch is accepted again (`steady`), the pause starts short again."""
         self.discard()
         self._back_offs += 1
         hold = self.depth * 2 ** (self._back_offs - 1)

@@ -104,15 +104,15 @@ def test_after_a_discarded_prefetch_the_pause_keeps_its_cost_within_the_probe_bu
     prefetcher = Prefetcher(depth=1, request=lambda ids, number: completions(ids[0][0]),
                             tokenize_rows=lambda rows: [[r] for r in rows], clock=lambda: clock[0])
     prefetcher.set_schedule([[p] for p in range(200)])
-    for position in range(3):  # three steps of 0.8 s, prefetching one ahead
-        clock[0] += 0.8
+    for position, seconds in enumerate((0.8, 5.0, 0.8, 0.8)):  # a slow first step (warm-up), then 0.8 s steps
+        clock[0] += seconds
         prefetcher.take([[position]]).result(timeout=10)
-    assert prefetcher.pending_positions() == [3]
-    # the batch at 3 drifted too far, and taking and scoring it cost 0.4 s: a pause of 0.4 / (2% of 0.8 s) steps
-    prefetcher.back_off(wasted_seconds=0.4)
+    assert prefetcher.pending_positions() == [4]
+    # the batch at 4 drifted too far and cost 0.41 s: a pause of 0.41 / (2% of the quickest step, 0.8 s) steps
+    prefetcher.back_off(wasted_seconds=0.41)
     assert prefetcher.pending_positions() == []
-    expected = int(0.4 / (PROBE_BUDGET * 0.8) + 0.999)
-    assert 2 < expected < MAX_PREFETCH_HOLD
+    expected = 26
+    assert PROBE_BUDGET == 0.02 and expected < MAX_PREFETCH_HOLD
     prefetcher.set_schedule([[p] for p in range(60)])
     held = held_steps(prefetcher, 50, step_seconds=0.8, clock=clock)
     assert held == list(range(expected)), held
@@ -193,3 +193,26 @@ def test_max_staleness_bounds_a_batch_by_the_policy_versions_published_since_it_
     assert gen.metrics.staleness_versions._sum.get() == 2
     assert gen.metrics.staleness_bound_versions._value.get() == 2
 
+
+
+def test_a_discarded_batch_costs_its_generation_and_its_scoring(tmp_path: Path):
+    """On one GPU a prefetched batch's generation ran beside the step before it and slowed it by about as much:
+    the pause after discarding it counts that with the time taking and scoring it took."""
+    gen, _, _ = backend(tmp_path, step=3, bound=1)
+    logged: list[str] = []
+    gen._log = logged.append
+    clock = [0.0]
+    gen.prefetcher = Prefetcher(depth=1, request=lambda ids, number: completions(ids[0][0]),
+                                tokenize_rows=lambda rows: [[r] for r in rows], clock=lambda: clock[0])
+    gen.prefetcher.set_schedule([[p] for p in range(100)])
+    for position in range(3):
+        clock[0] += 1.0
+        gen.prefetcher.take([[position]]).result(timeout=10)
+    gen._record(Completions([[1]], [[-0.1]], boot_id="b1", adapter_version=None, seconds=0.25))
+
+    gen.regenerate_after_drift(drift=5.0, bound=0.3, spent_seconds=0.1)
+
+    assert gen.prefetcher.held_batches == 18  # (0.25 + 0.1) s / (2% of 1 s), rounded up
+    assert "it cost 0.35s, 0.25 of them generating" in logged[-1] and "paused for 18 batches" in logged[-1]
+    assert gen.metrics.discarded_batches.labels("policy_drift")._value.get() == 1
+    gen.close()
