@@ -23,6 +23,10 @@ the sampled token's logprob at every position.
   - `LogprobsProcessor._update_sample_logprobs` appends a request's rows to its flat logprobs in bulk, not one
     position at a time, where nothing is detokenized (`_extend_rows`; otherwise vLLM's own).
 
+On the H100 (BENCHMARKS.md, seventh lease) holding the rows did not raise the server's throughput with logprobs
+(0.469x of plain, 0.485x with rows each step), though it cuts the front end's cost of them 5x on the CPU: what is
+left is in the engine core.
+
 `enable()`, in the server before the engine starts, first runs vLLM's own path and the compact one on the same
 outputs (`self_check`: several requests, top-k and multi-token steps, through vLLM's encoder, decoder and output
 processor) and turns nothing on unless every logprob, rank and cumulative logprob is equal. Where the engine core
