@@ -49,10 +49,10 @@ def one_run(requests: int, steps: int, logprobs: int | None, slice_request: Call
     rng = np.random.default_rng(0)
     spent = dict.fromkeys(STAGES, 0.0)
     finished = 0
-    held: compact.Held = {}
+    held: dict[str, compact.HeldRows] = {}
 
-    def final_only(request_id: str) -> bool:
-        return True  # the server's requests: final output only, no stop strings
+    def columns_of(request_id: str) -> int:
+        return 1  # the server's requests: final output only, logprobs=0, no stop strings
     for step in range(steps):
         token_ids = rng.integers(0, 32000, size=(requests, 1)).astype(np.int32)
         lists = LogprobsLists(token_ids, -rng.random((requests, 1), dtype=np.float32),
@@ -64,7 +64,7 @@ def one_run(requests: int, steps: int, logprobs: int | None, slice_request: Call
                                     new_logprobs=slice_request(lists, i, 1) if lists is not None else None,
                                     finish_reason=finish) for i in range(requests)]
         if hold:
-            compact.hold_rows(outputs, final_only, held)
+            compact.hold_rows(outputs, columns_of, held)
         t1 = time.perf_counter()
         frames = encoder.encode(EngineCoreOutputs(outputs=outputs))
         t2 = time.perf_counter()

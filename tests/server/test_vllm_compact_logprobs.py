@@ -88,29 +88,36 @@ def test_an_engine_side_that_loses_held_rows_is_caught_at_start(monkeypatch: pyt
     assert LogprobsProcessor._update_sample_logprobs is compact._originals["update_sample_logprobs"]
 
 
-def step_output(request_id: str, token: int, finished: bool = False) -> EngineCoreOutput:
-    rows = LogprobsLists([[token]], [[-0.5 * token]], [token], None)
+def step_output(request_id: str, token: int, finished: bool = False, wide: bool = False) -> EngineCoreOutput:
+    """One token's output; `wide`: its step's batch asked for a top-1 alternative too, so its row has two columns."""
+    rows = LogprobsLists([[token, 99] if wide else [token]], [[-0.5 * token, -9.0] if wide else [-0.5 * token]],
+                         [token], None)
     return EngineCoreOutput(request_id=request_id, new_token_ids=[token], new_logprobs=rows,
                             finish_reason=FinishReason.LENGTH if finished else None)
 
 
-def test_the_scheduler_holds_rows_only_of_final_only_requests_without_stop_strings_and_forgets_aborted_ones(
+def test_the_scheduler_holds_rows_only_of_final_only_top_k_requests_cut_to_their_width_and_forgets_aborted_ones(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Scheduler.update_from_output as the engine core's plugin replaces it: vLLM's method gives each step's outputs
-    (here, three steps given in turn); the rows of a request that streams or has stop strings are never held back,
-    since its front end reads them before the last step."""
+    (here, three steps given in turn; in the second, another request of the batch asked for an alternative, so
+    every row has two columns). The rows of a request that streams, has stop strings, or asks for all or chosen
+    tokens' logprobs are never held back; held rows keep the columns their request reads."""
+    final = RequestOutputKind.FINAL_ONLY
     kinds = {
-        "final": SamplingParams(max_tokens=3, logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY),
+        "final": SamplingParams(max_tokens=3, logprobs=0, output_kind=final),
         "stream": SamplingParams(max_tokens=3, logprobs=0, output_kind=RequestOutputKind.DELTA),
-        "stop": SamplingParams(max_tokens=3, logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, stop=["x"]),
-        "aborted": SamplingParams(max_tokens=3, logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY),
+        "stop": SamplingParams(max_tokens=3, logprobs=0, output_kind=final, stop=["x"]),
+        "all": SamplingParams(max_tokens=3, logprobs=-1, output_kind=final),
+        "chosen": SamplingParams(max_tokens=3, logprob_token_ids=[5], output_kind=final),
+        "aborted": SamplingParams(max_tokens=3, logprobs=0, output_kind=final),
     }
+    passed_on = ("stream", "stop", "all", "chosen")
     scheduler = SimpleNamespace(requests={k: SimpleNamespace(sampling_params=p) for k, p in kinds.items()})
     steps = [
         [step_output(k, 1) for k in kinds],
-        [step_output(k, 2) for k in ("final", "stream", "stop")],
-        [step_output(k, 3, finished=True) for k in ("final", "stream", "stop")],
+        [step_output(k, 2, wide=True) for k in ("final", *passed_on)],
+        [step_output(k, 3, finished=True) for k in ("final", *passed_on)],
     ]
     given = iter(steps)
     monkeypatch.setitem(compact._originals, "update_from_output",
@@ -124,7 +131,7 @@ def test_the_scheduler_holds_rows_only_of_final_only_requests_without_stop_strin
             del scheduler.requests["aborted"]  # aborted by its client after its first step: no more outputs
         if step == 2:
             finished_before = {"aborted"}  # what the scheduler tells its workers to free at the next step
-            for finished in ("final", "stream", "stop"):
+            for finished in ("final", *passed_on):
                 del scheduler.requests[finished]  # vLLM frees a request in the step that finishes it
         scheduler_output = SimpleNamespace(finished_req_ids=finished_before)
         sent.append({o.request_id: o.new_logprobs for o in
@@ -132,10 +139,10 @@ def test_the_scheduler_holds_rows_only_of_final_only_requests_without_stop_strin
         aborted_held.append("aborted" in compact._held)
 
     assert sent[0]["final"] is None and sent[1]["final"] is None
-    assert sent[2]["final"].logprob_token_ids == [[1], [2], [3]]
+    assert sent[2]["final"].logprob_token_ids == [[1], [2], [3]]  # the wide step's row cut to the one column
     assert sent[2]["final"].logprobs == [[-0.5], [-1.0], [-1.5]] and sent[2]["final"].sampled_token_ranks == [1, 2, 3]
-    for kept in ("stream", "stop"):
-        assert [s[kept].logprob_token_ids for s in sent] == [[[1]], [[2]], [[3]]]
+    for kept in passed_on:
+        assert [s[kept].logprob_token_ids for s in sent] == [[[1]], [[2, 99]], [[3]]], kept
     assert sent[0]["aborted"] is None  # held, then its request went away: nothing of it is kept
     assert aborted_held == [True, True, False]
     assert compact._held == {}

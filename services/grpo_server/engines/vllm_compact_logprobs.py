@@ -14,9 +14,10 @@ the sampled token's logprob at every position.
   server's own, where an engine core without multiprocessing would hand the rows to the front end undecoded):
   - `LogprobsLists.slice_request` converts the step's arrays to lists once per step and gives each request its
     rows as list slices, which msgpack encodes natively;
-  - `Scheduler.update_from_output` keeps the rows of a request that asked for its final output only (as this
-    server's do, without stop strings, which the front end checks) until its last step, and hands them over
-    with that step (`hold_rows`): one message field per request rather than one per request per step;
+  - `Scheduler.update_from_output` keeps the rows of a request that asked for its final output only and top-k
+    logprobs (as this server's do; not with stop strings, which the front end checks) until its last step, each
+    cut to the columns the request reads, and hands them over with that step (`hold_rows`): one message field
+    per request rather than one per request per step;
 - front end:
   - `MsgpackDecoder._decode_ndarray` makes an array of rows (vLLM's own inline form, `[dtype, shape, data]`,
     begins with the dtype's string; rows never hold one);
@@ -39,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -84,42 +86,66 @@ def _slice_rows(lists: Any, req_idx: int, num_positions: int) -> Any:
     return LogprobsLists(token_ids[req_idx:end], logprobs[req_idx:end], ranks[req_idx:end], None)
 
 
-#: Rows held back: request id -> (token ids, logprobs, ranks), each a list of rows (see hold_rows).
-Held = dict[str, tuple[list[Any], list[Any], list[Any]]]
-_held: Held = {}
+@dataclass
+class HeldRows:
+    """One request's logprob rows held back until its last step, each cut to the `columns` it reads (1 + its
+    num_logprobs): a step whose batch asked for more alternatives gives every request wider rows."""
+
+    columns: int
+    token_ids: list[Any] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    ranks: list[Any] = field(default_factory=list)
+
+    def add(self, rows: Any) -> None:
+        token_ids, logprobs = rows.logprob_token_ids, rows.logprobs
+        if logprobs and len(logprobs[0]) != self.columns:  # a step's rows are all as wide
+            token_ids = [row[:self.columns] for row in token_ids]
+            logprobs = [row[:self.columns] for row in logprobs]
+        self.token_ids.extend(token_ids)
+        self.logprobs.extend(logprobs)
+        self.ranks.extend(rows.sampled_token_ranks)
 
 
-def hold_rows(outputs: Iterable[EngineCoreOutput], holds: Callable[[str], bool], held: Held) -> None:
-    """One step's outputs: an unfinished one whose request `holds` gives its logprob rows to `held`; a finished one
-    takes every row held for its request, in order, before its own. The rows are `_slice_rows`' lists."""
+#: Rows held back, by request id (see hold_rows).
+_held: dict[str, HeldRows] = {}
+
+
+def hold_rows(outputs: Iterable[EngineCoreOutput], columns_of: Callable[[str], int | None],
+              held: dict[str, HeldRows]) -> None:
+    """One step's outputs: an unfinished one whose request may wait (`columns_of` gives the columns it reads, not
+    None) gives its logprob rows to `held`; a finished one takes every row held for its request, in order, before
+    its own. The rows are `_slice_rows`' lists."""
     for output in outputs:
         rows = output.new_logprobs
         if output.finish_reason is None:
-            if rows is None or not holds(output.request_id):
+            if rows is None:
                 continue
             kept = held.get(output.request_id)
             if kept is None:
-                held[output.request_id] = (rows.logprob_token_ids, rows.logprobs, rows.sampled_token_ranks)
-            else:
-                kept[0].extend(rows.logprob_token_ids)
-                kept[1].extend(rows.logprobs)
-                kept[2].extend(rows.sampled_token_ranks)
+                columns = columns_of(output.request_id)
+                if columns is None:
+                    continue
+                kept = held[output.request_id] = HeldRows(columns)
+            kept.add(rows)
             output.new_logprobs = None
             continue
         kept = held.pop(output.request_id, None)
         if kept is None:
             continue
         if rows is not None:
-            kept[0].extend(rows.logprob_token_ids)
-            kept[1].extend(rows.logprobs)
-            kept[2].extend(rows.sampled_token_ranks)
-        output.new_logprobs = LogprobsLists(kept[0], kept[1], kept[2], None)
+            kept.add(rows)
+        output.new_logprobs = LogprobsLists(kept.token_ids, kept.logprobs, kept.ranks, None)
 
 
-def _final_only(params: SamplingParams | None) -> bool:
-    """A request whose logprobs may wait for its last step: it wants its final output only, and has no stop
-    strings (the front end ends those, and would never see the held rows)."""
-    return params is not None and params.output_kind == RequestOutputKind.FINAL_ONLY and not params.stop
+def _held_columns(params: SamplingParams | None) -> int | None:
+    """The columns of each row a request reads, where its logprobs may wait for its last step: it wants its final
+    output only, the top-k logprobs (not all, not chosen tokens'), and has no stop strings (the front end ends
+    those, and would never see the held rows). None where they may not."""
+    if params is None or params.output_kind != RequestOutputKind.FINAL_ONLY or params.stop:
+        return None
+    if params.logprobs is None or params.logprobs < 0 or params.logprob_token_ids:
+        return None
+    return params.logprobs + 1
 
 
 def _update_from_output_holding(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -130,12 +156,12 @@ def _update_from_output_holding(self: Any, scheduler_output: Any, model_runner_o
     engine_core_outputs = _originals["update_from_output"](self, scheduler_output, model_runner_output)
     requests = self.requests
 
-    def holds(request_id: str) -> bool:
+    def columns_of(request_id: str) -> int | None:
         request = requests.get(request_id)
-        return request is not None and _final_only(request.sampling_params)
+        return None if request is None else _held_columns(request.sampling_params)
 
     for client_outputs in engine_core_outputs.values():
-        hold_rows(client_outputs.outputs, holds, _held)
+        hold_rows(client_outputs.outputs, columns_of, _held)
     return engine_core_outputs
 
 
@@ -183,10 +209,9 @@ def _extend_rows(processor: Any, logprobs_lists: Any) -> None:
     rows, columns = logprobs.shape
     if processor.num_logprobs != -1:
         columns = min(columns, processor.num_logprobs + 1)
-    values = logprobs[:, :columns].tolist()
     cumulative = processor.cumulative_logprob
-    for row in values:
-        cumulative += row[0]
+    for sampled in logprobs[:, 0].tolist():  # one by one, as vLLM adds them
+        cumulative += sampled
     processor.cumulative_logprob = cumulative
     base = len(flat.logprobs)
     flat.start_indices.extend(range(base, base + rows * columns, columns))
@@ -257,7 +282,7 @@ def run_outputs(requests: int, steps: int, num_logprobs: int, positions: int, se
     rng = np.random.default_rng(seed)
     columns = num_logprobs + 1
     last_step = [steps - 1 - (i % 2 if steps > 1 else 0) for i in range(requests)]
-    held: Held = {}
+    held: dict[str, HeldRows] = {}
     finals: dict[str, Any] = {}
     for step in range(steps):
         rows = requests * positions
@@ -271,7 +296,7 @@ def run_outputs(requests: int, steps: int, num_logprobs: int, positions: int, se
                                     finish_reason=FinishReason.LENGTH if step == last_step[i] else None)
                    for i in range(requests) if step <= last_step[i]]
         if hold:
-            hold_rows(outputs, lambda request_id: True, held)
+            hold_rows(outputs, lambda request_id: columns, held)
         received = decoder.decode(encoder.encode(EngineCoreOutputs(outputs=outputs)))
         for output in processor.process_outputs(received.outputs).request_outputs:
             finals[output.request_id] = output
