@@ -25,7 +25,10 @@ on them until healthy.
 
 `--profile DIR` samples the server process and its engine-core child with py-spy
 during the measured generation run (raw collapsed stacks; `bench/profile_summary.py`
-summarises them).
+summarises them). `--plain-run` first generates the same workload without logprobs
+(its tokens/s against LLM.generate plain is the server's own cost; against the run with
+logprobs, what logprobs cost). Each measured run records the CPU seconds of the server's
+process and of the engine core, and the GPU's mean utilization (nvidia-smi, 100 ms).
 """
 
 from __future__ import annotations
@@ -202,7 +205,7 @@ class Publisher:
         return published.path, published.version, published.sha256, seconds
 
 
-def start_profile(pid: int, out: Path, seconds: int) -> subprocess.Popen[bytes] | None:
+def start_profile(pid: int, out: Path, seconds: int, stem: str = "server") -> subprocess.Popen[bytes] | None:
     """py-spy over the server and its children (the engine core), if py-spy is installed."""
     spy = shutil.which("py-spy")
     if spy is None:
@@ -210,9 +213,28 @@ def start_profile(pid: int, out: Path, seconds: int) -> subprocess.Popen[bytes] 
     out.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(
         [spy, "record", "--pid", str(pid), "--subprocesses", "--duration", str(seconds), "--rate", "50",
-         "--format", "raw", "--nonblocking", "--output", str(out / "server-stacks.txt")],
-        stdout=(out / "py-spy.log").open("wb"), stderr=subprocess.STDOUT,
+         "--format", "raw", "--nonblocking", "--output", str(out / f"{stem}-stacks.txt")],
+        stdout=(out / f"py-spy-{stem}.log").open("wb"), stderr=subprocess.STDOUT,
     )
+
+
+class GpuBusy:
+    """The GPU's utilization (the share of time a kernel ran), sampled by nvidia-smi every 100 ms while a run
+    generates: well under 100% with the engine core's CPU busy means the engine core's Python is the limit."""
+
+    def __init__(self) -> None:
+        smi = shutil.which("nvidia-smi")
+        self.proc = None if smi is None else subprocess.Popen(
+            [smi, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "100"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def stop(self) -> dict[str, float]:
+        if self.proc is None:
+            return {}
+        self.proc.terminate()
+        out, _ = self.proc.communicate(timeout=10)
+        values = [float(v) for v in out.split() if v.replace(".", "", 1).isdigit()]
+        return {"gpu_util_mean_pct": statistics.fmean(values), "gpu_util_samples": len(values)} if values else {}
 
 
 def cpu_seconds(pid: int) -> dict[str, float]:
@@ -234,10 +256,12 @@ def cpu_seconds(pid: int) -> dict[str, float]:
 
 async def http_bench(
     model: Path, adapter: Path, work: Workload, work_dir: Path, port: int, syncs: int, publish_dtype: str,
-    profile: Path | None, weights: str | None = None,
+    profile: Path | None, weights: str | None = None, plain_run: bool = False,
 ) -> dict[str, Any]:
     """With `weights`, the server takes pushed weights instead of adapters: generation runs on plain weights
-    (no adapter loaded, no LoRA in the engine) and the adapter-sync benchmark is not run."""
+    (no adapter loaded, no LoRA in the engine) and the adapter-sync benchmark is not run. With `plain_run`, the
+    same workload is first generated without logprobs (`no_logprobs`): the server's own cost against
+    LLM.generate, apart from what logprobs add."""
     proc, root, start_s = start_server(model, work_dir, port, weights)
     base = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {TOKEN}"}
@@ -251,40 +275,51 @@ async def http_bench(
                                                                   "sha256": digest}, headers=headers)
                 r.raise_for_status()
 
-            async def one(i: int, ids: list[int], max_tokens: int) -> tuple[int, int | None]:
+            async def one(i: int, ids: list[int], max_tokens: int, logprobs: bool) -> tuple[int, int | None]:
                 body = {"model": "bench", "prompt": [ids], "n": work.n, "max_tokens": max_tokens,
-                        "temperature": 1.0, "logprobs": 0, "return_token_ids": True,
+                        "temperature": 1.0, "return_token_ids": True,
                         "return_tokens_as_token_ids": True, "ignore_eos": True, "seed": i}
+                if logprobs:
+                    body["logprobs"] = 0
                 resp = await client.post("/v1/completions", json=body)
                 resp.raise_for_status()
                 data = resp.json()
                 for choice in data["choices"]:
-                    assert len(choice["logprobs"]["token_logprobs"]) == len(choice["token_ids"])
+                    assert not logprobs or len(choice["logprobs"]["token_logprobs"]) == len(choice["token_ids"])
                 return sum(len(c["token_ids"]) for c in data["choices"]), data.get("adapter_version")
 
-            async def run(w: Workload) -> dict[str, float]:
+            async def run(w: Workload, logprobs: bool = True) -> dict[str, float]:
                 t = time.perf_counter()
-                results = await asyncio.gather(*(one(i, p, m) for i, (p, m) in enumerate(
+                results = await asyncio.gather(*(one(i, p, m, logprobs) for i, (p, m) in enumerate(
                     zip(w.prompts, w.max_tokens, strict=True))))
                 wall = time.perf_counter() - t
                 assert all(v == expected_version for _, v in results), f"every response: adapter {expected_version}"
                 tokens = sum(t for t, _ in results)
                 return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall}
 
+            async def measured(logprobs: bool, stem: str, profile_s: int) -> dict[str, float]:
+                """One run of the workload with the server's CPU seconds (front end, engine core), the GPU's
+                utilization and, with `profile`, py-spy's stacks of both processes."""
+                spy = start_profile(proc.pid, profile, profile_s, stem) if profile is not None else None
+                gpu = GpuBusy()
+                before = cpu_seconds(proc.pid)
+                gen = await run(work, logprobs)
+                after = cpu_seconds(proc.pid)
+                gen.update(gpu.stop())
+                gen.update({key: after[key] - before[key] for key in after})  # is the front end or engine core busy?
+                if spy is not None:
+                    spy.wait(60)
+                return gen
+
             await run(work.subset(8))
-            spy = start_profile(proc.pid, profile, 10) if profile is not None else None
-            before = cpu_seconds(proc.pid)
-            gen = await run(work)
-            after = cpu_seconds(proc.pid)
-            gen.update({key: after[key] - before[key] for key in after})  # is the front end or engine core busy?
-            if spy is not None:
-                spy.wait(60)
+            no_logprobs = await measured(False, "no-logprobs", 5) if plain_run else None
+            gen = await measured(True, "server", 10)
             consistency = await logprob_consistency(client, work)
             sync = await sync_bench(client, publisher, headers, syncs) if weights is None else None
     finally:
         stop_server(proc)
     return {"server_start_s": start_s, "weights": weights, ("plain_logprobs" if weights else "lora_logprobs"): gen,
-            "sync": sync, "publish_dtype": publish_dtype, "rescore_vs_sampler": consistency}
+            "no_logprobs": no_logprobs, "sync": sync, "publish_dtype": publish_dtype, "rescore_vs_sampler": consistency}
 
 
 async def logprob_consistency(client: httpx.AsyncClient, work: Workload, requests: int = 16) -> dict[str, Any]:
@@ -422,6 +457,8 @@ def main() -> None:
     parser.add_argument("--publish-dtype", default=None,
                         help="dtype adapters are published in (default: what the trainer picks for the server)")
     parser.add_argument("--profile", type=Path, default=None, help="py-spy the server into this folder")
+    parser.add_argument("--plain-run", action="store_true",
+                        help="http: also generate the workload without logprobs first (the server's own cost)")
     parser.add_argument("--logprobs-source", choices=["sampler", "auto"], default="auto",
                         help="spec.server.logprobsSource of the HTTP server (the direct phase measures both)")
     parser.add_argument("--weights", choices=["ipc", "nccl"], default=None,
@@ -457,7 +494,7 @@ def main() -> None:
 
     dtype = args.publish_dtype or publish_dtype(str(SERVER["dtype"]), args.model)
     result = asyncio.run(http_bench(args.model, args.adapter, work, work_dir, args.port, args.syncs, dtype,
-                                    args.profile, args.weights))
+                                    args.profile, args.weights, args.plain_run))
     if not args.skip_reload and args.weights is None:
         result["merged_reload"] = merged_reload(args.model, args.adapter, work_dir, args.port + 1)
     http_tps = result["plain_logprobs" if args.weights else "lora_logprobs"]["tokens_per_s"]
@@ -477,9 +514,24 @@ def main() -> None:
                                   baseline="HF generate (gen_offline)", baseline_value=offline["hf generate"][
                                       "tokens_per_s"], target="≥ 10×"))
     run_result = result["plain_logprobs" if args.weights else "lora_logprobs"]
-    figures += [figure(f"{side} CPU share while generating", run_result[key] / run_result["seconds"], "CPU s / wall s")
-                for side, key in (("server process (HTTP, vLLM's front end)", "server_cpu_s"),
-                                  ("vLLM's engine core", "engine_cpu_s")) if key in run_result]
+    plain_result = result["no_logprobs"]
+    if plain_result is not None:
+        figures.append(figure("server HTTP + logprobs vs the same server without logprobs", http_tps, "tokens/s",
+                              baseline="same server, same workload, no logprobs",
+                              baseline_value=plain_result["tokens_per_s"]))
+        if args.offline and args.offline.is_file():
+            figures.append(figure("server HTTP without logprobs vs LLM.generate plain", plain_result["tokens_per_s"],
+                                  "tokens/s", baseline="LLM.generate plain (gen_offline)",
+                                  baseline_value=json.loads(args.offline.read_text())["runs"]["plain"]["tokens_per_s"]))
+    for label, measured_run in (("", run_result), (" (no logprobs)", plain_result)):
+        if measured_run is None:
+            continue
+        figures += [figure(f"{side} CPU share while generating{label}", measured_run[key] / measured_run["seconds"],
+                           "CPU s / wall s")
+                    for side, key in (("server process (HTTP, vLLM's front end)", "server_cpu_s"),
+                                      ("vLLM's engine core", "engine_cpu_s")) if key in measured_run]
+        if "gpu_util_mean_pct" in measured_run:
+            figures.append(figure(f"GPU utilization while generating{label}", measured_run["gpu_util_mean_pct"], "%"))
     if args.weights:
         dump(args.out, {"benchmark": "generation through a weight-transfer server (HTTP)", "machine": machine(),
                         "date": today, "command": f"python bench/gen_server.py http --model {args.model} --adapter "

@@ -14,7 +14,8 @@
 #                                                    # packed snapshot vs a tensor per allocation (LOADS, FORMS, REPS)
 #   bash bench/gpu/session.sh trl-async              # TRL 1.16 AsyncGRPOTrainer (LoRA sync) vs vllm serve or grpo serve
 #   bash bench/gpu/session.sh gen-weights            # a pushed-weights server (no LoRA) + logprobs vs LLM.generate plain
-#                                                    # (TRANSPORTS="vllm compact": both logprob transports)
+#                                                    # (TRANSPORTS="vllm compact": both logprob transports; PLAIN_RUN=1:
+#                                                    # the server without logprobs too; PROFILE=1: py-spy of both runs)
 #   bash bench/gpu/session.sh lora-load              # where add_lora's time goes: vLLM's host loads vs the server's GPU-resident ones
 #   bash bench/gpu/session.sh gpu-share              # two processes on one GPU: decode-shaped loop beside training (MPS=1: also under MPS)
 # prep needs blake3 (adapter manifests' digests) when the device lacks it: carry its wheel in p1,
@@ -197,7 +198,10 @@ gen_weights() {
     name=gen_http_weights; [ "$t" = vllm ] || name=gen_http_weights_$t
     free_gpu
     GRPO_SERVER_LOGPROB_TRANSPORT=$t timeout ${GEN_TIMEOUT:-300} $PY bench/gen_server.py http --weights ipc --model $M \
-      --adapter $A --out "$OUT/$name.json" ${offline[@]+"${offline[@]}"} 2>&1 | tail -30 > "$OUT/$name.log"
+      --adapter $A --out "$OUT/$name.json" ${offline[@]+"${offline[@]}"} ${PLAIN_RUN:+--plain-run} \
+      ${PROFILE:+--profile "$OUT/profile_$t"} 2>&1 | tail -30 > "$OUT/$name.log"
+    [ -z "${PROFILE:-}" ] || for f in "$OUT/profile_$t"/*-stacks.txt; do
+      [ -f "$f" ] && $PY bench/profile_summary.py "$f" --top 25 > "${f%-stacks.txt}-summary.txt" 2>&1; done
     cp "$(newest_bench_dir)/server.log" "$OUT/${name}_server.log" 2>/dev/null
     tail -n 4 "$OUT/$name.log"
   done

@@ -27,6 +27,13 @@
 #   bash bench/gpu/sync_and_weights.sh held1    # prep; gen-weights, compact transport, LLM.generate baseline;
 #                                               # ours at prefetchDepth 1, LoRA
 #   bash bench/gpu/sync_and_weights.sh held2    # ours with the spec defaults, LoRA; TRL colocate, LoRA
+# Where the engine core's time goes with logprobs (issue 29) and depth 1 against no prefetch over 20 steps (issue 28
+# item 3), two calls of one lease:
+#   bash bench/gpu/sync_and_weights.sh prof1    # prep; gen-weights, compact transport, the same server without
+#                                               # logprobs first, py-spy of both runs, LLM.generate baseline; ours
+#                                               # with the spec defaults, LoRA
+#   bash bench/gpu/sync_and_weights.sh prof2    # ours at prefetchDepth 1, LoRA (the whole call: a first start
+#                                               # compiles); TRL colocate, LoRA, if time is left
 # CAP: seconds the call may take (default 560). bench/gpu/curves.py prints each run's steps beside its curves.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -35,7 +42,7 @@ R=$OUT; export OUT=/tmp/o; mkdir -p $OUT; S=$(date +%s)
 CAP=${CAP:-560}
 left() { echo $(( $1 - $(date +%s) + S )); }   # seconds until mark $1 of this call
 save() { tar czf "$R/$CALL.tgz" -C /tmp/o .; }   # after each run: a call cut off still returns what it measured
-CALL=${1:?call1, call2, call3, push, full, inplace1-3, depth1-2, compact or held1-2}
+CALL=${1:?call1, call2, call3, push, full, inplace1-3, depth1-2, compact, held1-2 or prof1-2}
 case $CALL in
   call1)  # in the call that installs vLLM
     bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
@@ -90,6 +97,15 @@ case $CALL in
   held2)
     ONLY=server PREFETCH=0 NAME=defaults GRPO_TIMEOUT=$(left $(( CAP / 2 ))) bash bench/gpu/session.sh grpo; save
     ONLY=colocate NAME=colocate GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
+  prof1)  # in the call that installs vLLM
+    bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
+    PLAIN_RUN=1 PROFILE=1 TRANSPORTS=compact GEN_TIMEOUT=240 bash bench/gpu/session.sh gen-weights; save
+    grep -h "compact\|logprobs reach the server" $OUT/gen_http_weights_compact_server.log | head -4
+    head -40 $OUT/profile_compact/server-summary.txt 2>/dev/null
+    ONLY=server PREFETCH=0 NAME=defaults GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
+  prof2)
+    ONLY=server PREFETCH=1 NAME=d1 GRPO_TIMEOUT=$(left $(( CAP - 20 ))) bash bench/gpu/session.sh grpo; save
+    [ "$(left $CAP)" -lt 150 ] || { ONLY=colocate NAME=colocate GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save; } ;;
   full)
     TUNING=full PREFETCH=0 LR=${LR:-3e-4} NAME=full GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
 esac
