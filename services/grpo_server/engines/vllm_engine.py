@@ -20,6 +20,14 @@ arrays per request per decoding step, which the frontend deserialises again. So:
   prompt + completion (`prompt_logprobs=0`, same adapter): one array per sequence
   instead of three per token. Anything else takes the sampler's logprobs.
 
+The engine is built as `vllm serve` builds its own (`USAGE_CONTEXT`, vLLM's OpenAI server context), so
+it schedules what `vllm serve` would on the same GPU: on an H100 or H200 up to 1024 sequences and 8192
+tokens a step. `AsyncLLM.from_engine_args`' default context has no batch defaults in vLLM 0.26 and
+falls back to 128 sequences and 2048 tokens a step: the H100's seventh and eighth leases generated a
+512-sequence batch at half of `LLM.generate`'s speed, with or without logprobs, the engine core's
+Python busy all the time (BENCHMARKS.md). `server.extraEngineArgs` `max_num_seqs` and
+`max_num_batched_tokens` override them; the server logs the limits the engine took.
+
 Whole-weight updates go through vLLM's own weight transfer (`vllm_weights.py`) when the engine is
 built with a backend (`weight_transfer`: nccl or ipc, or `weight_transfer_config` in extraEngineArgs,
 which wins as every extra argument does); without one, `weight_receiver()` is None and the routes
@@ -41,6 +49,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -124,6 +133,11 @@ def engine_args(
         raise ValueError(f"server.extraEngineArgs: {exc}") from exc
 
 
+#: The context the engine is built in: `vllm serve`'s, whose batch defaults (sequences and tokens a step) vLLM
+#: sets by GPU; the default of `AsyncLLM.from_engine_args` has none and takes vLLM's generic 128 and 2048.
+USAGE_CONTEXT = UsageContext.OPENAI_API_SERVER
+
+
 class VllmEngine:
     """Engine over `vllm.v1.engine.async_llm.AsyncLLM`."""
 
@@ -178,8 +192,12 @@ class VllmEngine:
                  else "vLLM's per-request arrays")
         # Built off the event loop so /health answers 503 while it loads; AsyncLLM starts its
         # output handler on the first request, inside the loop.
-        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self._args)
+        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, self._args, usage_context=USAGE_CONTEXT)
         self._llm = llm
+        scheduler = llm.vllm_config.scheduler_config
+        log.info("vLLM schedules up to %d sequences and %d tokens a step (vllm serve's defaults for this GPU unless "
+                 "server.extraEngineArgs set max_num_seqs or max_num_batched_tokens)", scheduler.max_num_seqs,
+                 scheduler.max_num_batched_tokens)
         ours = self._args.worker_extension_cls == WORKER_EXTENSION
         if self._args.enable_lora and ours and self._adapter_loads == "gpu":
             where = await llm.collective_rpc(SET_LORA_LOAD_DEVICE, args=(True,))

@@ -1,0 +1,53 @@
+"""The vllm engine schedules what `vllm serve` would on the same GPU (vllm_engine.USAGE_CONTEXT).
+
+vLLM 0.26 sets a step's batch limits (sequences, tokens) by usage context and GPU; a context it has no defaults for
+takes the generic 128 sequences and 2048 tokens, which halved the server's throughput on the H100 against
+`LLM.generate` (BENCHMARKS.md, eighth lease). The GPU is the one an H100 node reports, stood in for the platform's
+own query (no GPU here).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here (the GPU server image's smoke test imports the engine)")
+
+from vllm.platforms import current_platform
+from vllm.usage.usage_lib import UsageContext
+
+from grpo_api.models import ServerSpec
+from grpo_server.engines import vllm_engine
+
+H100_BYTES = 80 * 1024**3
+
+
+@pytest.fixture
+def h100(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(type(current_platform), "get_device_total_memory", classmethod(lambda cls, d=0: H100_BYTES))
+    name = "NVIDIA H100 80GB HBM3"
+    monkeypatch.setattr(type(current_platform), "get_device_name", classmethod(lambda cls, d=0: name))
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+
+
+def batch_defaults(context: UsageContext) -> tuple[int | None, int | None]:
+    args = vllm_engine.engine_args(Path("/models/m"), "m", ServerSpec(), None)
+    tokens, seqs = args.get_batch_defaults(world_size=1)
+    return seqs.get(context), tokens.get(context)
+
+
+def test_the_engine_is_built_in_vllm_serves_context(h100: None) -> None:
+    assert vllm_engine.USAGE_CONTEXT is UsageContext.OPENAI_API_SERVER
+    assert batch_defaults(vllm_engine.USAGE_CONTEXT) == (1024, 8192)
+
+
+def test_the_default_context_has_no_batch_defaults(h100: None) -> None:
+    """Why the context is named: AsyncLLM.from_engine_args' own default falls back to vLLM's generic limits."""
+    assert batch_defaults(UsageContext.ENGINE_CONTEXT) == (None, None)
+
+
+def test_extra_engine_args_set_the_limits() -> None:
+    server = ServerSpec(extraEngineArgs={"max_num_seqs": 64, "max_num_batched_tokens": 4096})
+    args = vllm_engine.engine_args(Path("/models/m"), "m", server, None)
+    assert (args.max_num_seqs, args.max_num_batched_tokens) == (64, 4096)
