@@ -100,7 +100,7 @@ case $CALL in
   prof1)  # in the call that installs vLLM
     bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
     PLAIN_RUN=1 PROFILE=1 TRANSPORTS=compact GEN_TIMEOUT=240 bash bench/gpu/session.sh gen-weights; save
-    grep -h "compact\|logprobs reach the server" $OUT/gen_http_weights_compact_server.log | head -4
+    grep -h "compact\|logprobs reach the server\|schedules up to" $OUT/gen_http_weights_compact_server.log | head -5
     head -40 $OUT/profile_compact/server-summary.txt 2>/dev/null
     ONLY=server PREFETCH=0 NAME=defaults GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
   prof2)
