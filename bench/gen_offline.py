@@ -10,7 +10,13 @@ much CPU as the wall time is the bottleneck, not the GPU.
     python bench/gen_offline.py --model MODEL_DIR --out $OUT/gen_offline.json [--profile DIR]
 
 `--profile DIR` samples this process and vLLM's engine-core child with py-spy during
-the LoRA runs with and without logprobs (raw stacks; `bench/profile_summary.py`).
+the LoRA runs with and without logprobs (raw stacks; `bench/profile_summary.py`), and with
+`--quick` during the plain and `logprobs=0` runs.
+
+`--server-engine` builds the engine with the arguments `grpo serve` gives vLLM for gen_server.py's
+pushed-weights server (`vllm_engine.engine_args`, ipc weight transfer, its worker extension, stats on, no
+LoRA) and the batch limits vLLM sets for `vllm serve` on an H100 (1024 sequences, 8192 tokens a step): is a
+gap between the server and `LLM.generate` in the engine's configuration or in the server's path to it?
 """
 
 from __future__ import annotations
@@ -86,6 +92,31 @@ def profiled(out: Path | None, name: str, seconds: int) -> subprocess.Popen[byte
     )
 
 
+def server_engine_kwargs(model_dir: Path) -> dict[str, Any]:
+    """`LLM` keyword arguments: every engine argument in which gen_server.py's pushed-weights server (ipc) differs
+    from vLLM's defaults, and the batch limits the server's engine takes on an H100 or H200."""
+    import dataclasses
+
+    from gen_server import SERVER
+    from vllm.engine.arg_utils import EngineArgs
+
+    from grpo_api.models import ServerSpec
+    from grpo_server.engines.vllm_engine import engine_args
+
+    ours = engine_args(model_dir, "bench", ServerSpec.model_validate(SERVER), "ipc")
+    defaults = EngineArgs(model=str(model_dir))
+    kwargs = {f.name: getattr(ours, f.name) for f in dataclasses.fields(EngineArgs)
+              if f.name not in ("model", "served_model_name") and getattr(ours, f.name) != getattr(defaults, f.name)}
+    # as the server's engine start does for ipc (vllm_engine.VllmEngine.start)
+    from grpo_server.engines.ray_stand_in import provide_ray_stand_in
+
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    provide_ray_stand_in()
+    # LLM turns stats off unless told; the server's are on
+    return {**kwargs, "disable_log_stats": ours.disable_log_stats, "max_num_seqs": 1024,
+            "max_num_batched_tokens": 8192, "seed": 0}
+
+
 def hf_generate(model_dir: Path, work: Workload) -> dict[str, float]:
     """HF generate, padded batch that runs to its longest completion; useful tokens = assigned lengths."""
     import torch
@@ -126,7 +157,10 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, default=None, help="py-spy two LoRA runs into this folder")
     parser.add_argument("--quick", action="store_true",
                         help="only the plain and logprobs=0 runs (the baselines of gen_server.py http --weights)")
+    parser.add_argument("--server-engine", action="store_true",
+                        help="the engine arguments of gen_server.py's pushed-weights server (implies --quick: no LoRA)")
     args = parser.parse_args()
+    args.quick = args.quick or args.server_engine
 
     from vllm import LLM
     from vllm.lora.request import LoRARequest
@@ -134,15 +168,16 @@ def main() -> None:
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     work = grpo_shaped(vocab)
     adapter = make_adapter(args.model, args.adapter_dir)
-    llm = LLM(
-        model=str(args.model), dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=32,
-        logprobs_mode="processed_logprobs", gpu_memory_utilization=args.gpu_memory_utilization,
-        max_model_len=2048, seed=0,
-    )
+    engine_kwargs = server_engine_kwargs(args.model) if args.server_engine else {
+        "dtype": "bfloat16", "enable_lora": True, "max_loras": 2, "max_lora_rank": 32,
+        "logprobs_mode": "processed_logprobs", "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_model_len": 2048, "seed": 0}
+    print("engine arguments", {k: str(v) for k, v in engine_kwargs.items()}, flush=True)
+    llm = LLM(model=str(args.model), **engine_kwargs)
     lora = LoRARequest("bench-v1", 1, str(adapter))
     warm = work.subset(8)
     run_llm(llm, warm, logprobs=None, flat=False, detokenize=True, lora=None)
-    run_llm(llm, warm, logprobs=0, flat=True, detokenize=False, lora=lora)
+    run_llm(llm, warm, logprobs=0, flat=True, detokenize=False, lora=lora if engine_kwargs.get("enable_lora") else None)
 
     runs: dict[str, dict[str, float]] = {}
     variants = [
@@ -155,9 +190,10 @@ def main() -> None:
         ("lora logprobs=0", 0, False, True, lora),
         ("lora logprobs=0 flat_logprobs detokenize=False", 0, True, False, lora),
     ]
+    profile = {"lora plain", "lora logprobs=0 flat_logprobs detokenize=False"}
     if args.quick:
         variants = variants[:2]
-    profile = {"lora plain", "lora logprobs=0 flat_logprobs detokenize=False"}
+        profile = {"plain", "logprobs=0"}
     for name, logprobs, flat, detok, req in variants:
         spy = profiled(args.profile, name, 8) if name in profile else None
         runs[name] = run_llm(llm, work, logprobs=logprobs, flat=flat, detokenize=detok, lora=req)
@@ -186,7 +222,8 @@ def main() -> None:
     dump(args.out, {
         "benchmark": "generation baselines (vLLM LLM.generate variants, HF generate)",
         "command": f"python bench/gen_offline.py --model {args.model} --out $OUT/gen_offline.json"
-                   + (" --quick" if args.quick else ""),
+                   + (" --quick" if args.quick else "") + (" --server-engine" if args.server_engine else ""),
+        "engine_arguments": {k: str(v) for k, v in engine_kwargs.items()},
         "machine": machine(), "date": dt.date.today().isoformat(),
         "workload": f"{len(work.prompts)} prompts × n={work.n}, prompts 64–512 tokens, completions 64–1024",
         "runs": runs, "figures": figures,

@@ -16,6 +16,8 @@
 #   bash bench/gpu/session.sh gen-weights            # a pushed-weights server (no LoRA) + logprobs vs LLM.generate plain
 #                                                    # (TRANSPORTS="vllm compact": both logprob transports; PLAIN_RUN=1:
 #                                                    # the server without logprobs too; PROFILE=1: py-spy of both runs)
+#   bash bench/gpu/session.sh gen-engines            # LLM.generate plain and logprobs=0, its usual engine arguments vs
+#                                                    # the pushed-weights server's (gen_offline.py --server-engine), py-spy
 #   bash bench/gpu/session.sh lora-load              # where add_lora's time goes: vLLM's host loads vs the server's GPU-resident ones
 #   bash bench/gpu/session.sh gpu-share              # two processes on one GPU: decode-shaped loop beside training (MPS=1: also under MPS)
 # prep needs blake3 (adapter manifests' digests) when the device lacks it: carry its wheel in p1,
@@ -189,9 +191,10 @@ gen_weights() {
   if [ "${OFFLINE_GEN:-1}" = 1 ]; then  # OFFLINE_GEN=0: no LLM.generate baseline (the servers' runs compared alone)
     timeout 300 $PY bench/gen_offline.py --quick --model $M --adapter-dir $A --out "$OUT/gen_offline_quick.json" \
       2>&1 | tail -20 > "$OUT/gen_offline_quick.log"
-    offline=(--offline "$OUT/gen_offline_quick.json")
     tail -n 4 "$OUT/gen_offline_quick.log"
   fi
+  # an earlier call's baseline on this machine (gen-engines) is the ratio's too
+  [ ! -f "$OUT/gen_offline_quick.json" ] || offline=(--offline "$OUT/gen_offline_quick.json")
   # TRANSPORTS: the server's GRPO_SERVER_LOGPROB_TRANSPORT values to run (default: vllm only)
   local t name
   for t in ${TRANSPORTS:-vllm}; do
@@ -204,6 +207,22 @@ gen_weights() {
       [ -f "$f" ] && $PY bench/profile_summary.py "$f" --top 25 > "${f%-stacks.txt}-summary.txt" 2>&1; done
     cp "$(newest_bench_dir)/server.log" "$OUT/${name}_server.log" 2>/dev/null
     tail -n 4 "$OUT/$name.log"
+  done
+}
+
+gen_engines() {
+  # issue 29: LLM.generate with its usual engine arguments against LLM.generate with the pushed-weights server's
+  # (gen_offline.py --server-engine), py-spy of both: is the server's gap to LLM.generate its engine configuration?
+  log "LLM.generate: the baseline's engine arguments, then the pushed-weights server's"
+  local v flag
+  for v in offline_quick offline_server_engine; do
+    flag=; [ $v = offline_quick ] || flag=--server-engine
+    free_gpu
+    timeout ${GEN_TIMEOUT:-240} $PY bench/gen_offline.py --quick $flag --model $M --adapter-dir $A \
+      --out "$OUT/gen_$v.json" --profile "$OUT/profile_$v" 2>&1 | grep -v "it/s\]" | tail -40 > "$OUT/gen_$v.log"
+    tail -n 3 "$OUT/gen_$v.log"
+    for f in "$OUT/profile_$v"/offline-*.txt; do
+      [ -f "$f" ] && $PY bench/profile_summary.py "$f" --top 25 > "${f%.txt}-summary.txt" 2>&1; done
   done
 }
 
@@ -226,6 +245,7 @@ for phase in "$@"; do
     prep) prep ;; weight-transfer-tests) weight_transfer_tests ;; server-tests) server_tests ;; hardening-tests) hardening_tests ;; grpo) grpo ;; gen-offline) gen_offline ;; gen-server) gen_server ;;
     lora-decode) lora_decode ;; trainer-gpu-tests) trainer_gpu_tests ;; weight-push) weight_push ;;
     trl-async) trl_async ;; gpu-share) gpu_share ;; lora-load) lora_load ;; gen-weights) gen_weights ;;
+    gen-engines) gen_engines ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done

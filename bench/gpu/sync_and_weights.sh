@@ -34,6 +34,14 @@
 #                                               # with the spec defaults, LoRA
 #   bash bench/gpu/sync_and_weights.sh prof2    # ours at prefetchDepth 1, LoRA (the whole call: a first start
 #                                               # compiles); TRL colocate, LoRA, if time is left
+# Where the server's gap to LLM.generate comes from (issue 29: 0.56x without logprobs after the usage context, the
+# engine core's Python busy) and the defaults against colocate and depth 1 with it (issue 28), three calls of one
+# lease:
+#   bash bench/gpu/sync_and_weights.sh ab1      # prep; LLM.generate with its usual engine arguments and with the
+#                                               # server's (py-spy of both)
+#   bash bench/gpu/sync_and_weights.sh ab2      # gen-weights (the server with and without logprobs, py-spy) against
+#                                               # ab1's first; ours with the spec defaults, LoRA
+#   bash bench/gpu/sync_and_weights.sh ab3      # TRL colocate, ours at depth 1 (LoRA)
 # CAP: seconds the call may take (default 560). bench/gpu/curves.py prints each run's steps beside its curves.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -42,7 +50,7 @@ R=$OUT; export OUT=/tmp/o; mkdir -p $OUT; S=$(date +%s)
 CAP=${CAP:-560}
 left() { echo $(( $1 - $(date +%s) + S )); }   # seconds until mark $1 of this call
 save() { tar czf "$R/$CALL.tgz" -C /tmp/o .; }   # after each run: a call cut off still returns what it measured
-CALL=${1:?call1, call2, call3, push, full, inplace1-3, depth1-2, compact, held1-2 or prof1-2}
+CALL=${1:?call1, call2, call3, push, full, inplace1-3, depth1-2, compact, held1-2, prof1-2 or ab1-3}
 case $CALL in
   call1)  # in the call that installs vLLM
     bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
@@ -106,6 +114,17 @@ case $CALL in
   prof2)
     ONLY=server PREFETCH=1 NAME=d1 GRPO_TIMEOUT=$(left $(( CAP - 20 ))) bash bench/gpu/session.sh grpo; save
     [ "$(left $CAP)" -lt 150 ] || { ONLY=colocate NAME=colocate GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save; } ;;
+  ab1)  # in the call that installs vLLM
+    bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
+    GEN_TIMEOUT=$(( ($(left $CAP) - 10) / 2 )) bash bench/gpu/session.sh gen-engines; save ;;
+  ab2)
+    OFFLINE_GEN=0 PLAIN_RUN=1 PROFILE=1 TRANSPORTS=compact GEN_TIMEOUT=$(left $(( CAP / 2 ))) \
+      bash bench/gpu/session.sh gen-weights; save
+    grep -h "schedules up to" $OUT/gen_http_weights_compact_server.log | head -2
+    ONLY=server PREFETCH=0 NAME=defaults GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
+  ab3)
+    ONLY=colocate NAME=colocate GRPO_TIMEOUT=$(left $(( CAP * 2 / 5 ))) bash bench/gpu/session.sh grpo; save
+    ONLY=server PREFETCH=1 NAME=d1 GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
   full)
     TUNING=full PREFETCH=0 LR=${LR:-3e-4} NAME=full GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
 esac
