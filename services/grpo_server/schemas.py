@@ -201,8 +201,9 @@ class SamplingFields(RequestModel):
         if self.response_format is not None:
             check_sent({"type": self.response_format.type}, endpoint, prefix="response_format.")
 
-    def sampling_options(self, *, max_tokens: int, top_logprobs: int) -> SamplingOptions:
-        """The engine's options (max_tokens already resolved against the budget)."""
+    def sampling_options(self, *, max_tokens: int, top_logprobs: int | None) -> SamplingOptions:
+        """The engine's options (max_tokens already resolved against the budget); `top_logprobs` None: the request
+        asked for no logprobs."""
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         constraint = self.constraint()
         return SamplingOptions(
@@ -222,7 +223,8 @@ class SamplingFields(RequestModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
-            top_logprobs=top_logprobs,
+            top_logprobs=top_logprobs or 0,
+            logprobs=top_logprobs is not None,
             logit_bias=_logit_bias(self.logit_bias),
             allowed_token_ids=tuple(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
             prompt_logprobs=self.prompt_logprobs,
@@ -266,7 +268,7 @@ class CompletionRequest(SamplingFields):
     def options(self, prompts: list[list[int]], limits: Limits) -> SamplingOptions:
         self.check_fields(Endpoint.COMPLETIONS, prompts)
         max_tokens = resolve_max_tokens(self.max_tokens, prompts, limits)
-        return self.sampling_options(max_tokens=max_tokens, top_logprobs=self.logprobs or 0)
+        return self.sampling_options(max_tokens=max_tokens, top_logprobs=self.logprobs)
 
 
 class CompletionLogprobs(BaseModel):
@@ -351,7 +353,8 @@ class ChatRequest(SamplingFields):
         self.check_fields(Endpoint.CHAT, [prompt])
         requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         max_tokens = resolve_max_tokens(requested, [prompt], limits)
-        return self.sampling_options(max_tokens=max_tokens, top_logprobs=self.top_logprobs or 0)
+        return self.sampling_options(max_tokens=max_tokens,
+                                     top_logprobs=(self.top_logprobs or 0) if self.logprobs else None)
 
 
 class ChatTopLogprob(BaseModel):
@@ -460,7 +463,7 @@ class GenerateRequest(RequestModel):
             raise BadRequest(f"generation_kwargs: {problems}") from exc
         fields.check_fields(Endpoint.COMPLETIONS, prompts)
         max_tokens = resolve_max_tokens(extra.get("max_tokens", self.max_tokens), prompts, limits)
-        return fields.sampling_options(max_tokens=max_tokens, top_logprobs=self.top_logprobs() or 0)
+        return fields.sampling_options(max_tokens=max_tokens, top_logprobs=self.top_logprobs())
 
 
 class GenerateResponse(TaggedResponse):

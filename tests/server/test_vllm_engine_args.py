@@ -1,4 +1,5 @@
-"""The vllm engine schedules what `vllm serve` would on the same GPU (vllm_engine.USAGE_CONTEXT).
+"""The vllm engine's arguments and requests: it schedules what `vllm serve` would on the same GPU
+(vllm_engine.USAGE_CONTEXT), and asks vLLM for the sampler's logprobs only where the request asked for them.
 
 vLLM 0.26 sets a step's batch limits (sequences, tokens) by usage context and GPU; a context it has no defaults for
 takes the generic 128 sequences and 2048 tokens, which halved the server's throughput on the H100 against
@@ -19,6 +20,7 @@ from vllm.usage.usage_lib import UsageContext
 
 from grpo_api.models import ServerSpec
 from grpo_server.engines import vllm_engine
+from grpo_server.engines.base import SamplingOptions
 
 H100_BYTES = 80 * 1024**3
 
@@ -51,3 +53,14 @@ def test_extra_engine_args_set_the_limits() -> None:
     server = ServerSpec(extraEngineArgs={"max_num_seqs": 64, "max_num_batched_tokens": 4096})
     args = vllm_engine.engine_args(Path("/models/m"), "m", server, None)
     assert (args.max_num_seqs, args.max_num_batched_tokens) == (64, 4096)
+
+
+@pytest.mark.parametrize(("asked", "top", "rescore", "expected"), [
+    (True, 0, False, 0),      # GRPO's requests: the sampled token's logprob
+    (True, 3, False, 3),      # and alternatives
+    (False, 0, False, None),  # a request without logprobs: vLLM computes and hands over none
+    (True, 0, True, None),    # logprobsSource auto: generated without, scored in a prefill pass
+])
+def test_the_sampler_gives_logprobs_only_where_asked(asked: bool, top: int, rescore: bool, expected: int | None):
+    options = SamplingOptions(n=2, max_tokens=8, top_logprobs=top, logprobs=asked)
+    assert vllm_engine.generation_params(options, rescore).logprobs == expected

@@ -64,6 +64,10 @@ class SamplingOptions:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     top_logprobs: int = 0  # alternatives per position besides the sampled token
+    #: The request asked for the sampled tokens' logprobs. False: an engine may give NaN logprobs and no
+    #: alternatives (the vllm engine asks vLLM for none: computing and handing them over costs its engine core
+    #: much of its speed, BENCHMARKS.md), and the response carries none.
+    logprobs: bool = True
     #: Added to the raw logits of these token ids (sorted (token id, bias) pairs, bias in [-100, 100]).
     logit_bias: tuple[tuple[int, float], ...] = ()
     #: Only these token ids may be sampled; None: any.

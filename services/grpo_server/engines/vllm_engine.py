@@ -11,6 +11,8 @@ its frontend decodes every logprob token (`tokenizer.decode([id])` per token per
 and builds a `Logprob` object per token, and the engine core serialises three small
 arrays per request per decoding step, which the frontend deserialises again. So:
 
+- a request that asked for no logprobs asks vLLM for none (`SamplingOptions.logprobs`; the server
+  computed them for every request until December 7);
 - requests ask for `flat_logprobs` (a few flat lists per request instead of per-token
   objects) and `detokenize=False` unless stop strings need incremental detokenization;
   the completion text is decoded once at the end with the fast tokenizer;
@@ -271,7 +273,7 @@ class VllmEngine:
         if repeat > 1:
             options = dataclasses.replace(options, n=1)
         rescore = self._rescores(prompts, options)
-        params = sampling_params(options, logprobs=not rescore)
+        params = generation_params(options, rescore)
         lora = LoRARequest(adapter.name, adapter.int_id, adapter.path) if adapter is not None else None
         batch = uuid.uuid4().hex
         try:
@@ -293,7 +295,7 @@ class VllmEngine:
 
     def _rescores(self, prompts: list[list[int]], options: SamplingOptions) -> bool:
         """Score in a prefill pass instead of streaming the sampler's logprobs (see the module doc)?"""
-        if self.logprobs_source != "auto" or not rescore_equals_sampler(options):
+        if self.logprobs_source != "auto" or not options.logprobs or not rescore_equals_sampler(options):
             return False
         # the scoring request holds prompt + completion and samples one token: it must fit too
         return max(len(p) for p in prompts) + options.max_tokens + 1 <= self.max_model_len
@@ -370,11 +372,18 @@ class VllmEngine:
         return PromptResult(prompt, completions, prompt_logprobs=scored_prompt)
 
 
+def generation_params(options: SamplingOptions, rescore: bool) -> SamplingParams:
+    """A generation's SamplingParams: the sampler's logprobs only where the request asked for logprobs and they
+    are not scored afterwards (`rescore`)."""
+    return sampling_params(options, logprobs=options.logprobs and not rescore)
+
+
 def sampling_params(options: SamplingOptions, *, logprobs: bool = True) -> SamplingParams:
     """vLLM SamplingParams for one request: flat logprobs, and no detokenization unless stop strings need it.
 
-    `logprobs=False` asks for none (the completions are scored afterwards). Structured outputs go to
-    vLLM's own backends (xgrammar, guidance, outlines or lm-format-enforcer, as the engine chooses).
+    `logprobs=False` asks for none (the request asked for none, or the completions are scored afterwards).
+    Structured outputs go to vLLM's own backends (xgrammar, guidance, outlines or lm-format-enforcer, as the
+    engine chooses).
     """
     try:
         return SamplingParams(
