@@ -25,8 +25,9 @@ the sampled token's logprob at every position.
     position at a time, where nothing is detokenized (`_extend_rows`; otherwise vLLM's own).
 
 On the H100 (BENCHMARKS.md, seventh lease) holding the rows did not raise the server's throughput with logprobs
-(0.469x of plain, 0.485x with rows each step), though it cuts the front end's cost of them 5x on the CPU: what is
-left is in the engine core.
+(0.469x of plain, 0.485x with rows each step), though it cuts the front end's cost of them 5x on the CPU. The
+eighth lease's profile puts the engine core's time in vLLM's scheduler and KV-block bookkeeping (the held rows'
+wrapper: 0.5% of its samples), the server at 0.91x of vLLM's own `LLM.generate` with logprobs.
 
 `enable()`, in the server before the engine starts, first runs vLLM's own path and the compact one on the same
 outputs (`self_check`: several requests, top-k and multi-token steps, through vLLM's encoder, decoder and output
