@@ -25,10 +25,10 @@ arrays per request per decoding step, which the frontend deserialises again. So:
 The engine is built as `vllm serve` builds its own (`USAGE_CONTEXT`, vLLM's OpenAI server context), so
 it schedules what `vllm serve` would on the same GPU: on an H100 or H200 up to 1024 sequences and 8192
 tokens a step. `AsyncLLM.from_engine_args`' default context has no batch defaults in vLLM 0.26 and
-falls back to 128 sequences and 2048 tokens a step: the H100's seventh and eighth leases generated a
-512-sequence batch at half of `LLM.generate`'s speed, with or without logprobs, the engine core's
-Python busy all the time (BENCHMARKS.md). `server.extraEngineArgs` `max_num_seqs` and
-`max_num_batched_tokens` override them; the server logs the limits the engine took.
+falls back to 128 sequences and 2048 tokens a step (on the H100 a 512-sequence batch with logprobs went
+from 0.516x to 0.529x of plain `LLM.generate` with vllm serve's limits; BENCHMARKS.md, eighth lease).
+`server.extraEngineArgs` `max_num_seqs` and `max_num_batched_tokens` override them; the server logs the
+limits the engine took.
 
 Whole-weight updates go through vLLM's own weight transfer (`vllm_weights.py`) when the engine is
 built with a backend (`weight_transfer`: nccl or ipc, or `weight_transfer_config` in extraEngineArgs,
