@@ -15,7 +15,7 @@ the LoRA runs with and without logprobs (raw stacks; `bench/profile_summary.py`)
 
 `--server-engine` builds the engine with the arguments `grpo serve` gives vLLM for gen_server.py's
 pushed-weights server (`vllm_engine.engine_args`, ipc weight transfer, its worker extension, stats on, no
-LoRA) and the batch limits vLLM sets for `vllm serve` on an H100 (1024 sequences, 8192 tokens a step): is a
+LoRA) and the batch limits vLLM sets for `vllm serve` on the GPU (H100: 1024 sequences, 8192 tokens a step): is a
 gap between the server and `LLM.generate` in the engine's configuration or in the server's path to it?
 """
 
@@ -94,27 +94,24 @@ def profiled(out: Path | None, name: str, seconds: int) -> subprocess.Popen[byte
 
 def server_engine_kwargs(model_dir: Path) -> dict[str, Any]:
     """`LLM` keyword arguments: every engine argument in which gen_server.py's pushed-weights server (ipc) differs
-    from vLLM's defaults, and the batch limits the server's engine takes on an H100 or H200."""
+    from vLLM's defaults, and the batch limits the server's engine takes on this GPU (its usage context's)."""
     import dataclasses
 
     from gen_server import SERVER
     from vllm.engine.arg_utils import EngineArgs
 
     from grpo_api.models import ServerSpec
-    from grpo_server.engines.vllm_engine import engine_args
+    from grpo_server.engines.vllm_engine import USAGE_CONTEXT, engine_args, prepare_ipc_weight_transfer
 
     ours = engine_args(model_dir, "bench", ServerSpec.model_validate(SERVER), "ipc")
     defaults = EngineArgs(model=str(model_dir))
     kwargs = {f.name: getattr(ours, f.name) for f in dataclasses.fields(EngineArgs)
               if f.name not in ("model", "served_model_name") and getattr(ours, f.name) != getattr(defaults, f.name)}
-    # as the server's engine start does for ipc (vllm_engine.VllmEngine.start)
-    from grpo_server.engines.ray_stand_in import provide_ray_stand_in
-
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    provide_ray_stand_in()
+    tokens, seqs = ours.get_batch_defaults(world_size=1)
+    prepare_ipc_weight_transfer()
     # LLM turns stats off unless told; the server's are on
-    return {**kwargs, "disable_log_stats": ours.disable_log_stats, "max_num_seqs": 1024,
-            "max_num_batched_tokens": 8192, "seed": 0}
+    return {**kwargs, "disable_log_stats": ours.disable_log_stats, "max_num_seqs": seqs[USAGE_CONTEXT],
+            "max_num_batched_tokens": tokens[USAGE_CONTEXT], "seed": 0}
 
 
 def hf_generate(model_dir: Path, work: Workload) -> dict[str, float]:

@@ -129,7 +129,7 @@ FIELDS: dict[str, Rule] = {
     "include_stop_str_in_output": _honoured("keep the matched stop string"),
     "skip_special_tokens": _honoured("special tokens left out of the text"),
     "logprobs": _honoured("the sampled tokens' processed logprobs (and alternatives)"),
-    "top_logprobs": _honoured("alternatives per token", CHAT),
+    "top_logprobs": _honoured("alternatives per token (above 0: with logprobs true, or refused)", CHAT),
     "prompt_logprobs": _honoured("the raw model's logprobs of the prompt tokens, in vLLM's format"),
     "structured_outputs": _honoured("guided decoding: json, regex, choice, json_object; grammar on vllm only"),
     "response_format": _honoured("text, json_object or json_schema"),

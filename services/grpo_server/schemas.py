@@ -351,6 +351,8 @@ class ChatRequest(SamplingFields):
 
     def options(self, prompt: list[int], limits: Limits) -> SamplingOptions:
         self.check_fields(Endpoint.CHAT, [prompt])
+        if self.top_logprobs and not self.logprobs:  # as OpenAI and vLLM: alternatives come with the logprobs
+            raise BadRequest("top_logprobs: needs logprobs: true")
         requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         max_tokens = resolve_max_tokens(requested, [prompt], limits)
         return self.sampling_options(max_tokens=max_tokens,

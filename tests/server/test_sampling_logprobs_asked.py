@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from grpo_server.errors import BadRequest
 from grpo_server.sampling import Limits
 from grpo_server.schemas import ChatRequest, CompletionRequest, GenerateRequest
 
@@ -35,6 +36,13 @@ def test_chat(body: dict[str, Any], asked: bool, top: int) -> None:
     request = ChatRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], **body})
     options = request.options([1, 2, 3], LIMITS)
     assert (options.logprobs, options.top_logprobs) == (asked, top)
+
+
+def test_chat_alternatives_without_logprobs_are_refused_naming_the_field() -> None:
+    request = ChatRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                          "top_logprobs": 2})
+    with pytest.raises(BadRequest, match="top_logprobs: needs logprobs: true"):
+        request.options([1, 2, 3], LIMITS)
 
 
 @pytest.mark.parametrize(("body", "asked", "top"), [

@@ -140,6 +140,16 @@ def engine_args(
 USAGE_CONTEXT = UsageContext.OPENAI_API_SERVER
 
 
+def prepare_ipc_weight_transfer() -> None:
+    """What an engine with ipc weight transfer needs in this process's environment before its engine core starts
+    (it and its workers read it at startup)."""
+    # vLLM's worker reads IPC handles only as a pickle, and only with this set; the pickle is built by this
+    # server from validated JSON (vllm_weights.py), never taken from a request.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    # vLLM's IPC module imports ray (unused here), which vLLM does not install
+    provide_ray_stand_in()
+
+
 class VllmEngine:
     """Engine over `vllm.v1.engine.async_llm.AsyncLLM`."""
 
@@ -177,12 +187,7 @@ class VllmEngine:
         # The engine core is a child process; spawn avoids forking a threaded server process.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         if self._weights is not None and self._weights.backend == "ipc":
-            # vLLM's worker reads IPC handles only as a pickle, and only with this set; the pickle is
-            # built by this server from validated JSON (vllm_weights.py), never taken from a request.
-            # Set before the engine core starts: it and its workers read it at startup.
-            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-            # vLLM's IPC module imports ray (unused here), which vLLM does not install
-            provide_ray_stand_in()
+            prepare_ipc_weight_transfer()
         self.logprob_transport = "vllm"
         if self._logprob_transport == "compact":
             from grpo_server.engines import vllm_compact_logprobs
