@@ -18,6 +18,13 @@ ADAPTER_VERSION_HEADER = "X-GRPO-Adapter-Version"
 #: Request header our trainer puts on every request: its attempt. A server of a later attempt refuses it (409).
 ATTEMPT_HEADER = "X-GRPO-Attempt"
 
+#: How long the server keeps an idle HTTP/1.1 connection open (uvicorn's default, as `vllm serve`'s). A client that
+#: pools connections drops an idle one sooner (CLIENT_KEEPALIVE_SECONDS): a request sent on a connection at the moment
+#: the server closes it fails with a transport error (httpx.ReadError) rather than being answered, and httpx's own
+#: expiry (5 s) equals the server's.
+SERVER_KEEP_ALIVE_SECONDS = 5
+CLIENT_KEEPALIVE_SECONDS = 2.0
+
 #: Environment variables the containers read (rendered by the operator, set by the local runner).
 ENV_RUN_CONFIG = "GRPO_RUN_CONFIG"
 ENV_TOKEN_FILE = "GRPO_TOKEN_FILE"

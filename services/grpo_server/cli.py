@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from grpo_api.exit_codes import EXIT_INVALID_SPEC, clip_final_message, write_termination_message
+from grpo_api.protocol import SERVER_KEEP_ALIVE_SECONDS
 from grpo_api.runconfig import RunConfigError, load_run_config
 
 log = logging.getLogger("grpo_server")
@@ -93,6 +94,7 @@ def serve(
             port=settings.port,
             log_level=log_level,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+            timeout_keep_alive=SERVER_KEEP_ALIVE_SECONDS,
             lifespan="on",
             h11_max_incomplete_event_size=HTTP_HEAD_BUFFER_BYTES,
         )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,8 +15,15 @@ import httpx
 import pytest
 
 from grpo_api.fingerprint import model_fingerprint
-from grpo_api.protocol import ADAPTER_VERSION_HEADER, BOOT_ID_HEADER, HealthResponse
+from grpo_api.protocol import (
+    ADAPTER_VERSION_HEADER,
+    BOOT_ID_HEADER,
+    CLIENT_KEEPALIVE_SECONDS,
+    SERVER_KEEP_ALIVE_SECONDS,
+    HealthResponse,
+)
 from grpo_server.metrics import METRIC_NAMES
+from grpo_trainer.transport.server_client import ServerClient
 from tests.fixtures.server import ENV_ENGINE, RunningServer
 
 #: The engine the server tests run on (transformers here; vllm on the GPU machine).
@@ -393,3 +402,49 @@ def test_unknown_paths_get_json_404(tiny_server):
 
 def test_fixture_paths_exist(tiny_server):
     assert Path(tiny_server.adapter_root).is_dir() and tiny_server.run_config_path.is_file()
+
+
+# ------------------------------------------------------------------------------------------ keep-alive
+
+
+def _local_port(response: httpx.Response) -> int:
+    """The client side's port of the connection that carried `response` (while it is open)."""
+    port: int = response.extensions["network_stream"].get_extra_info("client_addr")[1]
+    return port
+
+
+def _health_over(sock: socket.socket) -> bytes:
+    """One GET /health/ on a raw keep-alive connection: the response's status line."""
+    sock.sendall(b"GET /health/ HTTP/1.1\r\nHost: test\r\n\r\n")
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head.split(b"\r\n", 1)[0]
+
+
+def test_the_trainer_drops_an_idle_connection_before_the_server_closes_it(tiny_server):
+    """A request sent on a pooled connection at the moment the server closes it for idleness fails with a transport
+    error (a benchmark's client met httpx.ReadError so). The server closes an idle connection after
+    SERVER_KEEP_ALIVE_SECONDS; the trainer's client stops reusing one after CLIENT_KEEPALIVE_SECONDS, sooner."""
+    assert CLIENT_KEEPALIVE_SECONDS < SERVER_KEEP_ALIVE_SECONDS - 1
+    client = ServerClient(tiny_server.url, token=tiny_server.token, generation_timeout=30)
+    try:
+        first = _local_port(client._http.get("/health/"))
+        assert _local_port(client._http.get("/health/")) == first, "a connection in use is kept"
+        time.sleep(CLIENT_KEEPALIVE_SECONDS + 0.5)
+        assert _local_port(client._http.get("/health/")) != first, "an idle connection is dropped by the client"
+    finally:
+        client.close()
+
+    # The server's side: a connection stays open past the client's expiry and is closed after the server's own.
+    with socket.create_connection(("127.0.0.1", tiny_server.port), timeout=SERVER_KEEP_ALIVE_SECONDS + 5) as sock:
+        assert _health_over(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(CLIENT_KEEPALIVE_SECONDS + 0.5)
+        assert _health_over(sock).startswith(b"HTTP/1.1 200"), "open past the client's expiry"
+        started = time.monotonic()
+        assert sock.recv(65536) == b"", "the server closes an idle connection"
+        assert time.monotonic() - started >= SERVER_KEEP_ALIVE_SECONDS - 1

@@ -22,6 +22,7 @@ from grpo_api.protocol import (
     ADAPTER_VERSION_HEADER,
     ATTEMPT_HEADER,
     BOOT_ID_HEADER,
+    CLIENT_KEEPALIVE_SECONDS,
     ErrorResponse,
     HealthResponse,
     SetAdapterRequest,
@@ -113,8 +114,15 @@ class ServerClient:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         if attempt is not None:
             headers[ATTEMPT_HEADER] = str(attempt)
-        # One connection pool per thread of use is not needed: httpx.Client is thread-safe for requests.
-        self._http = httpx.Client(base_url=self.base_url, headers=headers, trust_env=False)
+        # One connection pool per thread of use is not needed: httpx.Client is thread-safe for requests. Idle
+        # connections are dropped before the server closes them (grpo_api.protocol.CLIENT_KEEPALIVE_SECONDS):
+        # otherwise a load trigger sent after a long step on a connection the server is closing at that moment
+        # fails as unreachable.
+        self._http = httpx.Client(
+            base_url=self.base_url, headers=headers, trust_env=False,
+            limits=httpx.Limits(max_connections=100, max_keepalive_connections=20,
+                                keepalive_expiry=CLIENT_KEEPALIVE_SECONDS),
+        )
 
     def close(self) -> None:
         self._http.close()
