@@ -59,6 +59,9 @@ from grpo_api.models import GRPORun, ServerSpec
 from grpo_api.runconfig import run_config_for
 
 TOKEN = "bench-token"
+#: The bench's connection pools: idle connections are dropped after 1 s, well before uvicorn closes them (5 s), so a
+#: request never races a server-side close (httpx's default expiry is the same 5 s).
+LIMITS = httpx.Limits(max_connections=256, keepalive_expiry=1.0)
 SERVER = {"engine": "vllm", "maxLoras": 4, "maxLoraRank": 32, "gpuMemoryUtilization": 0.6, "maxModelLen": 2048,
           "dtype": "bfloat16"}
 
@@ -268,20 +271,21 @@ async def http_bench(
     publisher = Publisher(adapter, root, model_fingerprint(model), publish_dtype)
     expected_version = None if weights else 1
     try:
-        async with httpx.AsyncClient(base_url=base, timeout=600, limits=httpx.Limits(max_connections=256)) as client:
+        async with httpx.AsyncClient(base_url=base, timeout=600, limits=LIMITS) as client:
             if weights is None:
                 path, version, digest, _ = publisher.publish(step=1)
                 r = await client.post("/set_lora_adapter/", json={"path": str(path), "version": version,
                                                                   "sha256": digest}, headers=headers)
                 r.raise_for_status()
 
-            async def one(i: int, ids: list[int], max_tokens: int, logprobs: bool) -> tuple[int, int | None]:
+            async def one(http: httpx.AsyncClient, i: int, ids: list[int], max_tokens: int, logprobs: bool
+                          ) -> tuple[int, int | None]:
                 body = {"model": "bench", "prompt": [ids], "n": work.n, "max_tokens": max_tokens,
                         "temperature": 1.0, "return_token_ids": True,
                         "return_tokens_as_token_ids": True, "ignore_eos": True, "seed": i}
                 if logprobs:
                     body["logprobs"] = 0
-                resp = await client.post("/v1/completions", json=body)
+                resp = await http.post("/v1/completions", json=body)
                 resp.raise_for_status()
                 data = resp.json()
                 for choice in data["choices"]:
@@ -289,10 +293,13 @@ async def http_bench(
                 return sum(len(c["token_ids"]) for c in data["choices"]), data.get("adapter_version")
 
             async def run(w: Workload, logprobs: bool = True) -> dict[str, float]:
-                t = time.perf_counter()
-                results = await asyncio.gather(*(one(i, p, m, logprobs) for i, (p, m) in enumerate(
-                    zip(w.prompts, w.max_tokens, strict=True))))
-                wall = time.perf_counter() - t
+                # A client of its own: a connection left idle by the last run is never reused (the H100 lease 9's
+                # run with logprobs failed with httpx.ReadError on connections uvicorn closed, 5 s idle, as it sent).
+                async with httpx.AsyncClient(base_url=base, timeout=600, limits=LIMITS) as http:
+                    t = time.perf_counter()
+                    results = await asyncio.gather(*(one(http, i, p, m, logprobs) for i, (p, m) in enumerate(
+                        zip(w.prompts, w.max_tokens, strict=True))))
+                    wall = time.perf_counter() - t
                 assert all(v == expected_version for _, v in results), f"every response: adapter {expected_version}"
                 tokens = sum(t for t, _ in results)
                 return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall}
@@ -308,7 +315,7 @@ async def http_bench(
                 gen.update(gpu.stop())
                 gen.update({key: after[key] - before[key] for key in after})  # is the front end or engine core busy?
                 if spy is not None:
-                    spy.wait(60)
+                    await asyncio.to_thread(spy.wait, 60)  # one py-spy at a time: it stops the process it samples
                 return gen
 
             await run(work.subset(8))

@@ -29,6 +29,7 @@
 # py-spy profiles are taken when a py-spy wheel was carried to /tmp/stage (installed to /tmp/pyspy):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux_2_17_x86_64 --platform manylinux_2_5_x86_64 -d .device-stage/p1 py-spy
+# NO_DATASET=1 (prep: no dataset, for a call that runs no GRPO).
 # PRESET (prep: the model preset, default qwen2.5-1.5b-learn, whose reward can rise; rounds 1-4 and the first
 # 2026-12-02 runs used qwen2.5-1.5b). Knobs: TESTS_K (pytest -k for server-tests), TESTS_TIMEOUT, SKIP_DIRECT / SKIP_RELOAD (gen-server),
 # ONLY=server|colocate and LOGPROBS=sampler|auto (grpo: our run's spec.server.logprobsSource),
@@ -59,7 +60,7 @@ free_gpu() { nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -
 prep() {
   log "prep: 1.5B-shaped model (${PRESET:-qwen2.5-1.5b-learn}), dataset, r=32 adapter"
   [ -f $M/config.json ] || $PY -m grpo_cli.main make-model --preset ${PRESET:-qwen2.5-1.5b-learn} $M
-  [ -f $D ] || $PY -m grpo_cli.main make-dataset --model $M --prompts 256 $D
+  [ -f $D ] || [ -n "${NO_DATASET:-}" ] || $PY -m grpo_cli.main make-dataset --model $M --prompts 256 $D
   [ -f $A/adapter_config.json ] || $PY -c "
 import sys; sys.path.insert(0, 'bench')
 from pathlib import Path; from gen_offline import make_adapter

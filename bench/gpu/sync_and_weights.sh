@@ -40,7 +40,8 @@
 #   bash bench/gpu/sync_and_weights.sh ab1      # prep; LLM.generate with its usual engine arguments and with the
 #                                               # server's (py-spy of both)
 #   bash bench/gpu/sync_and_weights.sh ab2      # gen-weights (the server with and without logprobs, py-spy) against
-#                                               # ab1's first; ours with the spec defaults, LoRA
+#                                               # ab1's first; ours with the spec defaults, LoRA (CAP > 500; a
+#                                               # shorter CAP gives gen-weights the whole call)
 #   bash bench/gpu/sync_and_weights.sh ab3      # TRL colocate, ours at depth 1 (LoRA)
 # CAP: seconds the call may take (default 560). bench/gpu/curves.py prints each run's steps beside its curves.
 set -uo pipefail
@@ -117,11 +118,12 @@ case $CALL in
   ab1)  # in the call that installs vLLM
     bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
     GEN_TIMEOUT=$(( ($(left $CAP) - 10) / 2 )) bash bench/gpu/session.sh gen-engines; save ;;
-  ab2)
-    OFFLINE_GEN=0 PLAIN_RUN=1 PROFILE=1 TRANSPORTS=compact GEN_TIMEOUT=$(left $(( CAP / 2 ))) \
+  ab2)  # the GRPO run only when 250 s are left (a short CAP gives gen-weights the call)
+    OFFLINE_GEN=0 PLAIN_RUN=1 PROFILE=1 TRANSPORTS=compact GEN_TIMEOUT=$(left $(( CAP > 500 ? CAP / 2 : CAP - 10 ))) \
       bash bench/gpu/session.sh gen-weights; save
     grep -h "schedules up to" $OUT/gen_http_weights_compact_server.log | head -2
-    ONLY=server PREFETCH=0 NAME=defaults GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
+    [ "$(left $CAP)" -lt 250 ] || { ONLY=server PREFETCH=0 NAME=defaults GRPO_TIMEOUT=$(left $CAP) \
+      bash bench/gpu/session.sh grpo; save; } ;;
   ab3)
     ONLY=colocate NAME=colocate GRPO_TIMEOUT=$(left $(( CAP * 2 / 5 ))) bash bench/gpu/session.sh grpo; save
     ONLY=server PREFETCH=1 NAME=d1 GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
