@@ -309,11 +309,12 @@ async def http_bench(
                 utilization and, with `profile`, py-spy's stacks of both processes."""
                 spy = start_profile(proc.pid, profile, profile_s, stem) if profile is not None else None
                 gpu = GpuBusy()
-                before = cpu_seconds(proc.pid)
+                before, steps_before = cpu_seconds(proc.pid), await engine_steps(client)
                 gen = await run(work, logprobs)
-                after = cpu_seconds(proc.pid)
+                after, steps_after = cpu_seconds(proc.pid), await engine_steps(client)
                 gen.update(gpu.stop())
                 gen.update({key: after[key] - before[key] for key in after})  # is the front end or engine core busy?
+                gen.update(step_figures(steps_before, steps_after, gen["seconds"]))
                 if spy is not None:
                     await asyncio.to_thread(spy.wait, 60)  # one py-spy at a time: it stops the process it samples
                 return gen
@@ -327,6 +328,39 @@ async def http_bench(
         stop_server(proc)
     return {"server_start_s": start_s, "weights": weights, ("plain_logprobs" if weights else "lora_logprobs"): gen,
             "no_logprobs": no_logprobs, "sync": sync, "publish_dtype": publish_dtype, "rescore_vs_sampler": consistency}
+
+
+#: vLLM's own samples on the server's /metrics that say how a run's time divides into engine steps: the count and
+#: sum of its tokens-per-step histogram, its preemptions.
+STEP_SAMPLES = {"vllm:iteration_tokens_total_count": "steps", "vllm:iteration_tokens_total_sum": "step_tokens",
+                "vllm:num_preemptions_total": "preemptions"}
+
+
+async def engine_steps(client: httpx.AsyncClient) -> dict[str, float]:
+    """vLLM's step counters so far, summed over their labels; none with the transformers engine."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families((await client.get("/metrics")).text):
+        for sample in family.samples:
+            key = STEP_SAMPLES.get(sample.name)
+            if key is not None:
+                found[key] = found.get(key, 0.0) + sample.value
+    return found
+
+
+def step_figures(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
+    """A run's engine steps from the counters around it: how many, the tokens (prefill and decode) a step
+    scheduled, the wall time a step took. A run with logprobs that takes more steps for the same tokens has
+    smaller batches; one that takes as many has slower steps."""
+    if "steps" not in after:
+        return {}
+    steps = after["steps"] - before.get("steps", 0.0)
+    tokens = after.get("step_tokens", 0.0) - before.get("step_tokens", 0.0)
+    figures = {"engine_steps": steps, "preemptions": after.get("preemptions", 0.0) - before.get("preemptions", 0.0)}
+    if steps:
+        figures |= {"tokens_per_step": tokens / steps, "ms_per_step": 1000 * seconds / steps}
+    return figures
 
 
 async def logprob_consistency(client: httpx.AsyncClient, work: Workload, requests: int = 16) -> dict[str, Any]:
