@@ -18,6 +18,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here (the GPU server i
 
 from types import SimpleNamespace
 
+import numpy as np
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -139,8 +140,11 @@ def test_the_scheduler_holds_rows_only_of_final_only_top_k_requests_cut_to_their
         aborted_held.append("aborted" in compact._held)
 
     assert sent[0]["final"] is None and sent[1]["final"] is None
-    assert sent[2]["final"].logprob_token_ids == [[1], [2], [3]]  # the wide step's row cut to the one column
-    assert sent[2]["final"].logprobs == [[-0.5], [-1.0], [-1.5]] and sent[2]["final"].sampled_token_ranks == [1, 2, 3]
+    final_rows = sent[2]["final"]  # vLLM's arrays, with vLLM's dtypes; the wide step's row cut to the one column
+    assert final_rows.logprob_token_ids.dtype == np.int32 and final_rows.logprobs.dtype == np.float32
+    assert final_rows.logprob_token_ids.tolist() == [[1], [2], [3]]
+    assert final_rows.logprobs.tolist() == [[-0.5], [-1.0], [-1.5]]
+    assert final_rows.sampled_token_ranks.tolist() == [1, 2, 3]
     for kept in passed_on:
         assert [s[kept].logprob_token_ids for s in sent] == [[[1]], [[2, 99]], [[3]]], kept
     assert sent[0]["aborted"] is None  # held, then its request went away: nothing of it is kept
@@ -184,3 +188,23 @@ def test_the_engine_plugin_acts_only_in_a_process_the_asking_server_started(serv
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == f"{patched} {patched}"
+
+
+@pytest.mark.parametrize("columns", [1, 3])
+def test_held_rows_keep_no_object_a_position_for_the_garbage_collector_to_walk(columns: int) -> None:
+    """The engine core holds a request's rows for as long as it runs: kept as a list per position (as `_slice_rows`
+    gives them) they were half a million objects for the gen-weights workload, walked by every full collection
+    pass. Held flat, a request keeps three lists whatever its length, and hands over vLLM's arrays."""
+    import gc
+
+    width = columns + 1  # a step whose batch asked for one more alternative than this request
+    held = compact.HeldRows(columns)
+    for position in range(1000):
+        step = LogprobsLists(np.full((4, width), position, dtype=np.int32), np.full((4, width), -0.5, np.float32),
+                             np.arange(4, dtype=np.int32) + 1, None)
+        held.add(compact._slice_rows(step, 2, 1))
+    assert not any(gc.is_tracked(value) for value in (*held.token_ids, *held.logprobs, *held.ranks))
+    rows = held.lists()
+    assert rows.logprob_token_ids.shape == rows.logprobs.shape == (1000, columns)
+    assert rows.logprob_token_ids[:, 0].tolist() == list(range(1000))
+    assert rows.sampled_token_ranks.tolist() == [3] * 1000

@@ -16,8 +16,9 @@ the sampled token's logprob at every position.
     rows as list slices, which msgpack encodes natively;
   - `Scheduler.update_from_output` keeps the rows of a request that asked for its final output only and top-k
     logprobs (as this server's do; not with stop strings, which the front end checks) until its last step, each
-    cut to the columns the request reads, and hands them over with that step (`hold_rows`): one message field
-    per request rather than one per request per step;
+    cut to the columns the request reads and kept flat (`HeldRows`: three lists a request, not a list a position,
+    which the engine core's garbage collector would walk on every pass), and hands them over with that step as
+    vLLM's arrays (`hold_rows`): one message field per request rather than one per request per step;
 - front end:
   - `MsgpackDecoder._decode_ndarray` makes an array of rows (vLLM's own inline form, `[dtype, shape, data]`,
     begins with the dtype's string; rows never hold one);
@@ -42,6 +43,8 @@ import logging
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -90,21 +93,37 @@ def _slice_rows(lists: Any, req_idx: int, num_positions: int) -> Any:
 @dataclass
 class HeldRows:
     """One request's logprob rows held back until its last step, each cut to the `columns` it reads (1 + its
-    num_logprobs): a step whose batch asked for more alternatives gives every request wider rows."""
+    num_logprobs): a step whose batch asked for more alternatives gives every request wider rows.
+
+    Held flat, `columns` values a row, in three lists a request: rows held as they arrive (a list per position)
+    are objects the engine core's garbage collector walks on every full pass for as long as the request runs
+    (on the CPU a collection pass doubled the held rows' cost a token). The last step hands them over as vLLM's
+    own arrays (`lists`): one array per field and request, encoded as a buffer."""
 
     columns: int
-    token_ids: list[Any] = field(default_factory=list)
-    logprobs: list[Any] = field(default_factory=list)
-    ranks: list[Any] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
 
     def add(self, rows: Any) -> None:
-        token_ids, logprobs = rows.logprob_token_ids, rows.logprobs
-        if logprobs and len(logprobs[0]) != self.columns:  # a step's rows are all as wide
-            token_ids = [row[:self.columns] for row in token_ids]
-            logprobs = [row[:self.columns] for row in logprobs]
-        self.token_ids.extend(token_ids)
-        self.logprobs.extend(logprobs)
+        """One step's rows of this request (`_slice_rows`' lists, as wide as their step's widest request)."""
+        if self.columns == 1:
+            self.token_ids.extend(map(_first, rows.logprob_token_ids))
+            self.logprobs.extend(map(_first, rows.logprobs))
+        else:
+            cut = slice(self.columns)
+            self.token_ids.extend(chain.from_iterable(row[cut] for row in rows.logprob_token_ids))
+            self.logprobs.extend(chain.from_iterable(row[cut] for row in rows.logprobs))
         self.ranks.extend(rows.sampled_token_ranks)
+
+    def lists(self) -> LogprobsLists:
+        """The held rows as vLLM's LogprobsLists (the dtypes of vLLM's LogprobsTensors)."""
+        return LogprobsLists(np.array(self.token_ids, dtype=np.int32).reshape(-1, self.columns),
+                             np.array(self.logprobs, dtype=np.float32).reshape(-1, self.columns),
+                             np.array(self.ranks, dtype=np.int32), None)
+
+
+_first = itemgetter(0)
 
 
 #: Rows held back, by request id (see hold_rows).
@@ -135,7 +154,7 @@ def hold_rows(outputs: Iterable[EngineCoreOutput], columns_of: Callable[[str], i
             continue
         if rows is not None:
             kept.add(rows)
-        output.new_logprobs = LogprobsLists(kept.token_ids, kept.logprobs, kept.ranks, None)
+        output.new_logprobs = kept.lists()
 
 
 def _held_columns(params: SamplingParams | None) -> int | None:
