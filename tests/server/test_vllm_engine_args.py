@@ -64,3 +64,24 @@ def test_extra_engine_args_set_the_limits() -> None:
 def test_the_sampler_gives_logprobs_only_where_asked(asked: bool, top: int, rescore: bool, expected: int | None):
     options = SamplingOptions(n=2, max_tokens=8, top_logprobs=top, logprobs=asked)
     assert vllm_engine.generation_params(options, rescore).logprobs == expected
+
+
+def test_the_started_engine_freezes_the_startup_heap_as_vllm_serve_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vllm serve freezes its API server's heap once started (vLLM, torch and the tokenizer: the objects every full
+    collection would walk again); this server's front end does the same once its engine is up. The engine itself is
+    vLLM's `AsyncLLM`, which needs a GPU: stood in for by what `start` reads of it."""
+    import asyncio
+    import gc
+    from types import SimpleNamespace
+
+    scheduler = SimpleNamespace(max_num_seqs=1024, max_num_batched_tokens=8192)
+    built = SimpleNamespace(vllm_config=SimpleNamespace(scheduler_config=scheduler))
+    monkeypatch.setattr(vllm_engine.AsyncLLM, "from_engine_args", lambda *a, **k: built)
+    engine = vllm_engine.VllmEngine(Path("/models/m"), "m", ServerSpec(), None,  # type: ignore[arg-type]
+                                    adapter_loads="host", logprob_transport="vllm")
+    gc.unfreeze()
+    try:
+        asyncio.run(engine.start())
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

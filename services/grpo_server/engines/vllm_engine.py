@@ -52,6 +52,7 @@ from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.usage.usage_lib import UsageContext
+from vllm.utils.gc_utils import freeze_gc_heap
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -218,6 +219,9 @@ class VllmEngine:
             log.info("ipc weight updates load %s", "in place" if self._weights.loads_in_place else
                      f"through vLLM's layerwise reload (weight loads {self._weight_loads}, the model quantized, "
                      "or another worker extension)")
+        # As vllm serve does once its app has started: the startup heap (vLLM, torch, the tokenizer) is frozen, so the
+        # garbage collector's full passes in this process walk only what serving allocates.
+        freeze_gc_heap()
 
     @property
     def llm(self) -> AsyncLLM:
