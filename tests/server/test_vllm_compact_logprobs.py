@@ -8,6 +8,7 @@ runs these."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -195,8 +196,6 @@ def test_held_rows_keep_no_object_a_position_for_the_garbage_collector_to_walk(c
     """The engine core holds a request's rows for as long as it runs: kept as a list per position (as `_slice_rows`
     gives them) they were half a million objects for the gen-weights workload, walked by every full collection
     pass. Held flat, a request keeps three lists whatever its length, and hands over vLLM's arrays."""
-    import gc
-
     width = columns + 1  # a step whose batch asked for one more alternative than this request
     held = compact.HeldRows(columns)
     for position in range(1000):

@@ -1,5 +1,6 @@
-"""The vllm engine's arguments and requests: it schedules what `vllm serve` would on the same GPU
-(vllm_engine.USAGE_CONTEXT), and asks vLLM for the sampler's logprobs only where the request asked for them.
+"""The vllm engine's arguments, requests and start: it schedules what `vllm serve` would on the same GPU
+(vllm_engine.USAGE_CONTEXT), asks vLLM for the sampler's logprobs only where the request asked for them, and
+freezes its startup heap once up, as `vllm serve` does.
 
 vLLM 0.26 sets a step's batch limits (sequences, tokens) by usage context and GPU; a context it has no defaults for
 takes the generic 128 sequences and 2048 tokens, which halved the server's throughput on the H100 against
@@ -9,7 +10,10 @@ own query (no GPU here).
 
 from __future__ import annotations
 
+import asyncio
+import gc
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -70,10 +74,6 @@ def test_the_started_engine_freezes_the_startup_heap_as_vllm_serve_does(monkeypa
     """vllm serve freezes its API server's heap once started (vLLM, torch and the tokenizer: the objects every full
     collection would walk again); this server's front end does the same once its engine is up. The engine itself is
     vLLM's `AsyncLLM`, which needs a GPU: stood in for by what `start` reads of it."""
-    import asyncio
-    import gc
-    from types import SimpleNamespace
-
     scheduler = SimpleNamespace(max_num_seqs=1024, max_num_batched_tokens=8192)
     built = SimpleNamespace(vllm_config=SimpleNamespace(scheduler_config=scheduler))
     monkeypatch.setattr(vllm_engine.AsyncLLM, "from_engine_args", lambda *a, **k: built)
