@@ -58,8 +58,20 @@ def make_adapter(model_dir: Path, out_dir: Path, rank: int = 32, seed: int = 0) 
     return out_dir
 
 
+def offline_steps(llm: Any) -> dict[str, float]:
+    """vLLM's step counters in this process (the engine's stats on, as the server's are), as gen_server.py reads
+    them from the server's /metrics; none with stats off."""
+    from gen_server import step_counters
+    from prometheus_client import REGISTRY, generate_latest
+
+    if llm.llm_engine.log_stats is False:
+        return {}
+    return step_counters(generate_latest(REGISTRY).decode())
+
+
 def run_llm(llm: Any, work: Workload, *, logprobs: int | None, flat: bool, detokenize: bool,
             lora: Any | None) -> dict[str, float]:
+    from gen_server import step_figures
     from vllm import SamplingParams, TokensPrompt
 
     params = [
@@ -68,14 +80,16 @@ def run_llm(llm: Any, work: Workload, *, logprobs: int | None, flat: bool, detok
         for i, m in enumerate(work.max_tokens)
     ]
     prompts = [TokensPrompt(prompt_token_ids=p) for p in work.prompts]
+    before = offline_steps(llm)
     cpu0, t0 = time.process_time(), time.perf_counter()
     outputs = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    steps = step_figures(before, offline_steps(llm), wall)
     tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     if logprobs is not None:
         got = sum(len(c.logprobs or []) for o in outputs for c in o.outputs)
         assert got == tokens, f"expected a logprob per token, got {got} for {tokens}"
-    return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "frontend_cpu_s": cpu}
+    return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "frontend_cpu_s": cpu, **steps}
 
 
 def profiled(out: Path | None, name: str, seconds: int) -> subprocess.Popen[bytes] | None:

@@ -338,10 +338,15 @@ STEP_SAMPLES = {"vllm:iteration_tokens_total_count": "steps", "vllm:iteration_to
 
 async def engine_steps(client: httpx.AsyncClient) -> dict[str, float]:
     """vLLM's step counters so far, summed over their labels; none with the transformers engine."""
+    return step_counters((await client.get("/metrics")).text)
+
+
+def step_counters(exposition: str) -> dict[str, float]:
+    """vLLM's step counters in a Prometheus text exposition, summed over their labels."""
     from prometheus_client.parser import text_string_to_metric_families
 
     found: dict[str, float] = {}
-    for family in text_string_to_metric_families((await client.get("/metrics")).text):
+    for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
             key = STEP_SAMPLES.get(sample.name)
             if key is not None:

@@ -195,7 +195,9 @@ gen_weights() {
     tail -n 4 "$OUT/gen_offline_quick.log"
   fi
   # an earlier call's baseline on this machine (gen-engines) is the ratio's too
-  [ ! -f "$OUT/gen_offline_quick.json" ] || offline=(--offline "$OUT/gen_offline_quick.json")
+  # (OFFLINE_JSON: another of its baselines, e.g. $OUT/gen_offline_server_engine.json, which has engine steps)
+  local base=${OFFLINE_JSON:-$OUT/gen_offline_quick.json}
+  [ ! -f "$base" ] || offline=(--offline "$base")
   # TRANSPORTS: the server's GRPO_SERVER_LOGPROB_TRANSPORT values to run (default: vllm only)
   local t name
   for t in ${TRANSPORTS:-vllm}; do
@@ -215,12 +217,14 @@ gen_engines() {
   # issue 29: LLM.generate with its usual engine arguments against LLM.generate with the pushed-weights server's
   # (gen_offline.py --server-engine), py-spy of both: is the server's gap to LLM.generate its engine configuration?
   log "LLM.generate: the baseline's engine arguments, then the pushed-weights server's"
+  # ENGINES: which of the two (default both); PROFILE=0: no py-spy
   local v flag
-  for v in offline_quick offline_server_engine; do
+  for v in ${ENGINES:-offline_quick offline_server_engine}; do
     flag=; [ $v = offline_quick ] || flag=--server-engine
     free_gpu
     timeout ${GEN_TIMEOUT:-240} $PY bench/gen_offline.py --quick $flag --model $M --adapter-dir $A \
-      --out "$OUT/gen_$v.json" --profile "$OUT/profile_$v" 2>&1 | grep -v "it/s\]" | tail -40 > "$OUT/gen_$v.log"
+      --out "$OUT/gen_$v.json" $([ "${PROFILE:-1}" = 0 ] || echo --profile "$OUT/profile_$v") 2>&1 |
+      grep -v "it/s\]" | tail -40 > "$OUT/gen_$v.log"
     tail -n 3 "$OUT/gen_$v.log"
     for f in "$OUT/profile_$v"/offline-*.txt; do
       [ -f "$f" ] && $PY bench/profile_summary.py "$f" --top 25 > "${f%.txt}-summary.txt" 2>&1; done

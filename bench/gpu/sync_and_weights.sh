@@ -43,6 +43,13 @@
 #                                               # ab1's first; ours with the spec defaults, LoRA (CAP > 500; a
 #                                               # shorter CAP gives gen-weights the whole call)
 #   bash bench/gpu/sync_and_weights.sh ab3      # TRL colocate, ours at depth 1 (LoRA)
+# Whether the server's gap to LLM.generate is more engine steps for the same tokens or slower steps (issue 29: both
+# sides count their steps from vLLM's own metrics), and the defaults against colocate and depth 1 (issue 28), three
+# calls of one lease:
+#   bash bench/gpu/sync_and_weights.sh steps1   # prep; LLM.generate with the server's engine arguments (stats on:
+#                                               # its steps), then gen-weights (the server with and without logprobs)
+#   bash bench/gpu/sync_and_weights.sh steps2   # TRL colocate, ours with the spec defaults (LoRA)
+#   bash bench/gpu/sync_and_weights.sh steps3   # ours at depth 1 (LoRA)
 # CAP: seconds the call may take (default 560). bench/gpu/curves.py prints each run's steps beside its curves.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -51,7 +58,7 @@ R=$OUT; export OUT=/tmp/o; mkdir -p $OUT; S=$(date +%s)
 CAP=${CAP:-560}
 left() { echo $(( $1 - $(date +%s) + S )); }   # seconds until mark $1 of this call
 save() { tar czf "$R/$CALL.tgz" -C /tmp/o .; }   # after each run: a call cut off still returns what it measured
-CALL=${1:?call1, call2, call3, push, full, inplace1-3, depth1-2, compact, held1-2, prof1-2 or ab1-3}
+CALL=${1:?call1, call2, call3, push, full, inplace1-3, depth1-2, compact, held1-2, prof1-2, ab1-3 or steps1-3}
 case $CALL in
   call1)  # in the call that installs vLLM
     bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
@@ -117,7 +124,7 @@ case $CALL in
     [ "$(left $CAP)" -lt 150 ] || { ONLY=colocate NAME=colocate GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save; } ;;
   ab1)  # in the call that installs vLLM
     bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
-    GEN_TIMEOUT=$(( ($(left $CAP) - 10) / 2 )) bash bench/gpu/session.sh gen-engines; save ;;
+    PROFILE=1 GEN_TIMEOUT=$(( ($(left $CAP) - 10) / 2 )) bash bench/gpu/session.sh gen-engines; save ;;
   ab2)  # the GRPO run only when 250 s are left (a short CAP gives gen-weights the call)
     OFFLINE_GEN=0 PLAIN_RUN=1 PROFILE=1 TRANSPORTS=compact GEN_TIMEOUT=$(left $(( CAP > 500 ? CAP / 2 : CAP - 10 ))) \
       bash bench/gpu/session.sh gen-weights; save
@@ -126,6 +133,17 @@ case $CALL in
       bash bench/gpu/session.sh grpo; save; } ;;
   ab3)
     ONLY=colocate NAME=colocate GRPO_TIMEOUT=$(left $(( CAP * 2 / 5 ))) bash bench/gpu/session.sh grpo; save
+    ONLY=server PREFETCH=1 NAME=d1 GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
+  steps1)  # in the call that installs vLLM
+    bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
+    ENGINES=offline_server_engine PROFILE=0 GEN_TIMEOUT=200 bash bench/gpu/session.sh gen-engines; save
+    OFFLINE_GEN=0 OFFLINE_JSON=$OUT/gen_offline_server_engine.json PLAIN_RUN=1 TRANSPORTS=compact \
+      GEN_TIMEOUT=$(left $(( CAP - 10 ))) bash bench/gpu/session.sh gen-weights; save
+    grep -h "schedules up to" $OUT/gen_http_weights_compact_server.log | head -2 ;;
+  steps2)
+    ONLY=colocate NAME=colocate GRPO_TIMEOUT=$(left $(( CAP * 2 / 5 ))) bash bench/gpu/session.sh grpo; save
+    ONLY=server PREFETCH=0 NAME=defaults GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
+  steps3)
     ONLY=server PREFETCH=1 NAME=d1 GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
   full)
     TUNING=full PREFETCH=0 LR=${LR:-3e-4} NAME=full GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
