@@ -4,8 +4,10 @@ Where does the logprobs cost come from? The same engine (enable_lora, processed
 logprobs) runs the GRPO-shaped workload plain, with `logprobs=0`, and with the
 settings that avoid per-token Python objects in the frontend (`flat_logprobs`,
 `detokenize=False`), with and without a LoRA adapter. For each run it records
-tokens/s and the CPU seconds of the frontend process: a frontend that burns as
-much CPU as the wall time is the bottleneck, not the GPU.
+tokens/s and the CPU seconds of the frontend process and of vLLM's engine core: a
+process that burns as much CPU as the wall time is the bottleneck, not the GPU.
+With the engine's stats on (`--server-engine`) each run also counts its engine
+steps from vLLM's own metrics, as gen_server.py and gen_async.py do.
 
     python bench/gen_offline.py --model MODEL_DIR --out $OUT/gen_offline.json [--profile DIR]
 
@@ -58,20 +60,26 @@ def make_adapter(model_dir: Path, out_dir: Path, rank: int = 32, seed: int = 0) 
     return out_dir
 
 
+def offline_steps_text() -> str:
+    """This process's Prometheus metrics (vLLM's, where an engine with stats on runs here) as text."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    return generate_latest(REGISTRY).decode()
+
+
 def offline_steps(llm: Any) -> dict[str, float]:
     """vLLM's step counters in this process (the engine's stats on, as the server's are), as gen_server.py reads
     them from the server's /metrics; none with stats off."""
     from gen_server import step_counters
-    from prometheus_client import REGISTRY, generate_latest
 
     if llm.llm_engine.log_stats is False:
         return {}
-    return step_counters(generate_latest(REGISTRY).decode())
+    return step_counters(offline_steps_text())
 
 
 def run_llm(llm: Any, work: Workload, *, logprobs: int | None, flat: bool, detokenize: bool,
             lora: Any | None) -> dict[str, float]:
-    from gen_server import step_figures
+    from gen_server import cpu_seconds, step_figures
     from vllm import SamplingParams, TokensPrompt
 
     params = [
@@ -80,11 +88,12 @@ def run_llm(llm: Any, work: Workload, *, logprobs: int | None, flat: bool, detok
         for i, m in enumerate(work.max_tokens)
     ]
     prompts = [TokensPrompt(prompt_token_ids=p) for p in work.prompts]
-    before = offline_steps(llm)
+    before, engine0 = offline_steps(llm), cpu_seconds(os.getpid())["engine_cpu_s"]
     cpu0, t0 = time.process_time(), time.perf_counter()
     outputs = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     steps = step_figures(before, offline_steps(llm), wall)
+    steps["engine_cpu_s"] = cpu_seconds(os.getpid())["engine_cpu_s"] - engine0
     tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     if logprobs is not None:
         got = sum(len(c.logprobs or []) for o in outputs for c in o.outputs)

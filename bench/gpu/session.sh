@@ -213,6 +213,16 @@ gen_weights() {
   done
 }
 
+gen_async() {
+  # issue 29: the pushed-weights server's engine in-process, through vLLM's AsyncLLM and through VllmEngine (plain,
+  # logprobs), against LLM.generate with the server's engine arguments (gen-engines' offline_server_engine)
+  log "one engine, three ways in: AsyncLLM, VllmEngine plain and with logprobs"
+  free_gpu
+  timeout ${GEN_TIMEOUT:-300} $PY bench/gen_async.py --model $M --out "$OUT/gen_async.json" \
+    --offline "$OUT/gen_offline_server_engine.json" 2>&1 | grep -v "it/s\]" | tail -40 > "$OUT/gen_async.log"
+  grep -h "^raw\|^ours" "$OUT/gen_async.log"
+}
+
 gen_engines() {
   # issue 29: LLM.generate with its usual engine arguments against LLM.generate with the pushed-weights server's
   # (gen_offline.py --server-engine), py-spy of both: is the server's gap to LLM.generate its engine configuration?
@@ -250,7 +260,7 @@ for phase in "$@"; do
     prep) prep ;; weight-transfer-tests) weight_transfer_tests ;; server-tests) server_tests ;; hardening-tests) hardening_tests ;; grpo) grpo ;; gen-offline) gen_offline ;; gen-server) gen_server ;;
     lora-decode) lora_decode ;; trainer-gpu-tests) trainer_gpu_tests ;; weight-push) weight_push ;;
     trl-async) trl_async ;; gpu-share) gpu_share ;; lora-load) lora_load ;; gen-weights) gen_weights ;;
-    gen-engines) gen_engines ;;
+    gen-engines) gen_engines ;; gen-async) gen_async ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
 done
