@@ -8,7 +8,8 @@ generates the workload
 
 - through vLLM's `AsyncLLM.generate` itself, with `LLM.generate`'s sampling parameters (`raw plain`): vLLM's async
   path, nothing of ours;
-- through `VllmEngine.generate` without and with logprobs (`ours plain`, `ours logprobs`): the server's path
+- through `VllmEngine.generate` without and with logprobs (`ours plain`; `ours logprobs sampler`, the spec's
+  default, through the compact transport; `ours logprobs auto`, scored in a prefill pass): the server's path
   minus HTTP and JSON.
 
 Against `LLM.generate` (gen_offline.py --server-engine) and the HTTP server (gen_server.py http --weights ipc)
@@ -34,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gen_offline import offline_steps_text
-from gen_server import SERVER, cpu_seconds, server_spec, step_counters, step_figures
+from gen_server import cpu_seconds, server_spec, step_counters, step_figures
 from workload import Workload, dump, figure, grpo_shaped, machine
 
 
@@ -58,9 +59,13 @@ async def raw_run(llm: Any, work: Workload, tag: str) -> int:
     return sum(counts)
 
 
-async def ours_run(engine: Any, work: Workload, logprobs: bool) -> int:
-    """The workload through VllmEngine.generate, as the server's completions route calls it (one prompt a call)."""
+async def ours_run(engine: Any, work: Workload, logprobs: bool, source: str = "sampler") -> int:
+    """The workload through VllmEngine.generate, as the server's completions route calls it (one prompt a call),
+    the sampled tokens' logprobs from `source` (spec.server.logprobsSource: sampler, or auto: scored in a prefill
+    pass)."""
     from grpo_server.engines.base import SamplingOptions
+
+    engine.logprobs_source = source
 
     async def one(i: int, ids: list[int], max_tokens: int) -> int:
         options = SamplingOptions(n=work.n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=i,
@@ -78,7 +83,8 @@ async def measure(engine: Any, work: Workload) -> dict[str, dict[str, float]]:
     runs: dict[str, dict[str, float]] = {}
     cases = [("raw plain", lambda w, tag: raw_run(engine.llm, w, tag)),
              ("ours plain", lambda w, tag: ours_run(engine, w, False)),
-             ("ours logprobs", lambda w, tag: ours_run(engine, w, True)),
+             ("ours logprobs sampler", lambda w, tag: ours_run(engine, w, True, "sampler")),
+             ("ours logprobs auto", lambda w, tag: ours_run(engine, w, True, "auto")),
              ("raw plain again", lambda w, tag: raw_run(engine.llm, w, tag))]
     for name, case in cases:
         await case(work.subset(8), f"warm-{len(runs)}")
@@ -100,7 +106,6 @@ async def main_async(model: Path) -> tuple[dict[str, dict[str, float]], float]:
 
     from grpo_server.engines.vllm_engine import VllmEngine
 
-    SERVER["logprobsSource"] = "auto"  # as gen_server.py http's server (its --logprobs-source default)
     engine = VllmEngine(model, "bench", server_spec(), AutoTokenizer.from_pretrained(model), weight_transfer="ipc")
     t0 = time.perf_counter()
     await engine.start()

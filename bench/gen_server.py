@@ -268,9 +268,10 @@ async def http_bench(
     proc, root, start_s = start_server(model, work_dir, port, weights)
     base = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {TOKEN}"}
-    publisher = Publisher(adapter, root, model_fingerprint(model), publish_dtype)
     expected_version = None if weights else 1
     try:
+        # inside the try: an adapter that does not load stops the server too, never leaves it holding the port
+        publisher = Publisher(adapter, root, model_fingerprint(model), publish_dtype)
         async with httpx.AsyncClient(base_url=base, timeout=600, limits=LIMITS) as client:
             if weights is None:
                 path, version, digest, _ = publisher.publish(step=1)
@@ -505,8 +506,10 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, default=None, help="py-spy the server into this folder")
     parser.add_argument("--plain-run", action="store_true",
                         help="http: also generate the workload without logprobs first (the server's own cost)")
-    parser.add_argument("--logprobs-source", choices=["sampler", "auto"], default="auto",
-                        help="spec.server.logprobsSource of the HTTP server (the direct phase measures both)")
+    parser.add_argument("--logprobs-source", choices=["sampler", "auto"], default="sampler",
+                        help="spec.server.logprobsSource of the HTTP server, default the spec's (sampler; until "
+                        "December 7 this bench's default was auto: its figures before then are rescored ones). "
+                        "The direct phase measures both")
     parser.add_argument("--weights", choices=["ipc", "nccl"], default=None,
                         help="http: a server that takes pushed weights (trainer.sync merged): generation on plain "
                         "weights with logprobs against LLM.generate plain; no adapter sync, no reload")
@@ -581,8 +584,9 @@ def main() -> None:
     if args.weights:
         dump(args.out, {"benchmark": "generation through a weight-transfer server (HTTP)", "machine": machine(),
                         "date": today, "command": f"python bench/gen_server.py http --model {args.model} --adapter "
-                        f"{args.adapter} --weights {args.weights} --out $OUT/gen_http_weights.json --offline "
-                        "$OUT/gen_offline.json", "runs": result, "figures": figures})
+                        f"{args.adapter} --weights {args.weights} --logprobs-source {args.logprobs_source} --out "
+                        "$OUT/gen_http_weights.json --offline $OUT/gen_offline.json",
+                        "logprobs_source": args.logprobs_source, "runs": result, "figures": figures})
         return
     if args.direct and args.direct.is_file():
         direct_tps = json.loads(args.direct.read_text())["runs"]["lora_logprobs"]["tokens_per_s"]

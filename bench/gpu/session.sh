@@ -198,18 +198,23 @@ gen_weights() {
   # (OFFLINE_JSON: another of its baselines, e.g. $OUT/gen_offline_server_engine.json, which has engine steps)
   local base=${OFFLINE_JSON:-$OUT/gen_offline_quick.json}
   [ ! -f "$base" ] || offline=(--offline "$base")
-  # TRANSPORTS: the server's GRPO_SERVER_LOGPROB_TRANSPORT values to run (default: vllm only)
-  local t name
+  # TRANSPORTS: the server's GRPO_SERVER_LOGPROB_TRANSPORT values to run (default: vllm only); SOURCES: its
+  # spec.server.logprobsSource values (default sampler, the spec's; auto scores in a prefill pass, where the
+  # transport carries no logprobs), each source's file named for it unless sampler
+  local t name src
+  for src in ${SOURCES:-sampler}; do
   for t in ${TRANSPORTS:-vllm}; do
     name=gen_http_weights; [ "$t" = vllm ] || name=gen_http_weights_$t
+    [ "$src" = sampler ] || name=${name}_$src
     free_gpu
     GRPO_SERVER_LOGPROB_TRANSPORT=$t timeout ${GEN_TIMEOUT:-300} $PY bench/gen_server.py http --weights ipc --model $M \
-      --adapter $A --out "$OUT/$name.json" ${offline[@]+"${offline[@]}"} ${PLAIN_RUN:+--plain-run} \
-      ${PROFILE:+--profile "$OUT/profile_$t"} 2>&1 | tail -30 > "$OUT/$name.log"
-    [ -z "${PROFILE:-}" ] || for f in "$OUT/profile_$t"/*-stacks.txt; do
+      --adapter $A --logprobs-source $src --out "$OUT/$name.json" ${offline[@]+"${offline[@]}"} ${PLAIN_RUN:+--plain-run} \
+      ${PROFILE:+--profile "$OUT/profile_${name#gen_http_weights_}"} 2>&1 | tail -30 > "$OUT/$name.log"
+    [ -z "${PROFILE:-}" ] || for f in "$OUT/profile_${name#gen_http_weights_}"/*-stacks.txt; do
       [ -f "$f" ] && $PY bench/profile_summary.py "$f" --top 25 > "${f%-stacks.txt}-summary.txt" 2>&1; done
     cp "$(newest_bench_dir)/server.log" "$OUT/${name}_server.log" 2>/dev/null
     tail -n 4 "$OUT/$name.log"
+  done
   done
 }
 
@@ -219,7 +224,7 @@ gen_async() {
   log "one engine, three ways in: AsyncLLM, VllmEngine plain and with logprobs"
   free_gpu
   timeout ${GEN_TIMEOUT:-300} $PY bench/gen_async.py --model $M --out "$OUT/gen_async.json" \
-    --offline "$OUT/gen_offline_server_engine.json" 2>&1 | grep -v "it/s\]" | tail -40 > "$OUT/gen_async.log"
+    $([ ! -f "$OUT/gen_offline_server_engine.json" ] || echo --offline "$OUT/gen_offline_server_engine.json") 2>&1 | grep -v "it/s\]" | tail -40 > "$OUT/gen_async.log"
   grep -h "^raw\|^ours" "$OUT/gen_async.log"
 }
 

@@ -50,8 +50,13 @@
 #                                               # its steps), then gen-weights (the server with and without logprobs)
 #   bash bench/gpu/sync_and_weights.sh steps2   # TRL colocate, ours with the spec defaults (LoRA)
 #   bash bench/gpu/sync_and_weights.sh steps3   # ours at depth 1 (LoRA)
-#   bash bench/gpu/sync_and_weights.sh steps4   # prep (no dataset); LLM.generate with the server's engine arguments,
-#                                               # then that engine in-process through AsyncLLM and VllmEngine
+#   bash bench/gpu/sync_and_weights.sh steps4   # prep (no dataset); the server's engine in-process through AsyncLLM
+#                                               # and VllmEngine (plain; logprobs from the sampler and rescored),
+#                                               # then LLM.generate with its engine arguments
+#   bash bench/gpu/sync_and_weights.sh steps5   # gen-weights through HTTP with logprobsSource sampler (the spec's
+#                                               # default; every gen-weights before the tenth lease ran auto) and auto
+#   bash bench/gpu/sync_and_weights.sh steps6   # the dataset; ours with the spec defaults, then with logprobsSource
+#                                               # auto (LoRA, the learning workload)
 # CAP: seconds the call may take (default 560). bench/gpu/curves.py prints each run's steps beside its curves.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -60,7 +65,7 @@ R=$OUT; export OUT=/tmp/o; mkdir -p $OUT; S=$(date +%s)
 CAP=${CAP:-560}
 left() { echo $(( $1 - $(date +%s) + S )); }   # seconds until mark $1 of this call
 save() { tar czf "$R/$CALL.tgz" -C /tmp/o .; }   # after each run: a call cut off still returns what it measured
-CALL=${1:?call1, call2, call3, push, full, inplace1-3, depth1-2, compact, held1-2, prof1-2, ab1-3 or steps1-4}
+CALL=${1:?call1, call2, call3, push, full, inplace1-3, depth1-2, compact, held1-2, prof1-2, ab1-3 or steps1-6}
 case $CALL in
   call1)  # in the call that installs vLLM
     bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
@@ -147,10 +152,18 @@ case $CALL in
     ONLY=server PREFETCH=0 NAME=defaults GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
   steps3)
     ONLY=server PREFETCH=1 NAME=d1 GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
-  steps4)  # in the call that installs vLLM
+  steps4)  # in the call that installs vLLM; LLM.generate after, where 150 s are left
     NO_DATASET=1 bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"
-    ENGINES=offline_server_engine PROFILE=0 GEN_TIMEOUT=200 bash bench/gpu/session.sh gen-engines; save
-    GEN_TIMEOUT=$(left $(( CAP - 10 ))) bash bench/gpu/session.sh gen-async; save ;;
+    GEN_TIMEOUT=$(( CAP > 450 ? 240 : CAP - 130 )) bash bench/gpu/session.sh gen-async; save
+    [ "$(left $CAP)" -lt 150 ] || { ENGINES=offline_server_engine PROFILE=0 GEN_TIMEOUT=$(left $(( CAP - 5 ))) \
+      bash bench/gpu/session.sh gen-engines; save; } ;;
+  steps5)
+    OFFLINE_GEN=0 OFFLINE_JSON=$OUT/gen_offline_server_engine.json PLAIN_RUN=1 TRANSPORTS=compact SOURCES="sampler auto" \
+      GEN_TIMEOUT=$(( ($(left $CAP) - 10) / 2 )) bash bench/gpu/session.sh gen-weights; save ;;
+  steps6)
+    bash bench/gpu/session.sh prep > $OUT/prep6.log 2>&1; echo "prep $(( $(date +%s)-S ))s"
+    ONLY=server PREFETCH=0 NAME=defaults GRPO_TIMEOUT=$(left $(( CAP / 2 ))) bash bench/gpu/session.sh grpo; save
+    ONLY=server PREFETCH=0 LOGPROBS=auto NAME=auto GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
   full)
     TUNING=full PREFETCH=0 LR=${LR:-3e-4} NAME=full GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
 esac
