@@ -61,7 +61,7 @@ prep() {
   log "prep: 1.5B-shaped model (${PRESET:-qwen2.5-1.5b-learn}), dataset, r=32 adapter"
   [ -f $M/config.json ] || $PY -m grpo_cli.main make-model --preset ${PRESET:-qwen2.5-1.5b-learn} $M
   [ -f $D ] || [ -n "${NO_DATASET:-}" ] || $PY -m grpo_cli.main make-dataset --model $M --prompts 256 $D
-  [ -f $A/adapter_config.json ] || $PY -c "
+  [ -f $A/adapter_config.json ] || [ -n "${NO_ADAPTER:-}" ] || $PY -c "
 import sys; sys.path.insert(0, 'bench')
 from pathlib import Path; from gen_offline import make_adapter
 make_adapter(Path('$M'), Path('$A'))"

@@ -53,6 +53,8 @@
 #   bash bench/gpu/sync_and_weights.sh steps4   # prep (no dataset); the server's engine in-process through AsyncLLM
 #                                               # and VllmEngine (plain; logprobs from the sampler and rescored),
 #                                               # then LLM.generate with its engine arguments
+#   bash bench/gpu/sync_and_weights.sh steps4q  # the same engine's runs alone, for a call of ~220 s: the model only
+#                                               # (no dataset, no adapter), gen_async's log straight to the output
 #   bash bench/gpu/sync_and_weights.sh steps5   # gen-weights through HTTP with logprobsSource sampler (the spec's
 #                                               # default; every gen-weights before the tenth lease ran auto) and auto
 #   bash bench/gpu/sync_and_weights.sh steps6   # the dataset; ours with the spec defaults, then with logprobsSource
@@ -65,7 +67,7 @@ R=$OUT; export OUT=/tmp/o; mkdir -p $OUT; S=$(date +%s)
 CAP=${CAP:-560}
 left() { echo $(( $1 - $(date +%s) + S )); }   # seconds until mark $1 of this call
 save() { tar czf "$R/$CALL.tgz" -C /tmp/o .; }   # after each run: a call cut off still returns what it measured
-CALL=${1:?call1, call2, call3, push, full, inplace1-3, depth1-2, compact, held1-2, prof1-2, ab1-3 or steps1-6}
+CALL=${1:?call1, call2, call3, push, full, inplace1-3, depth1-2, compact, held1-2, prof1-2, ab1-3, steps1-6 or steps4q}
 case $CALL in
   call1)  # in the call that installs vLLM
     bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
@@ -157,6 +159,11 @@ case $CALL in
     GEN_TIMEOUT=$(( CAP > 450 ? 240 : CAP - 130 )) bash bench/gpu/session.sh gen-async; save
     [ "$(left $CAP)" -lt 150 ] || { ENGINES=offline_server_engine PROFILE=0 GEN_TIMEOUT=$(left $(( CAP - 5 ))) \
       bash bench/gpu/session.sh gen-engines; save; } ;;
+  steps4q)  # in the call that installs vLLM; a cut-off call still returns each finished run's line
+    NO_DATASET=1 NO_ADAPTER=1 bash bench/gpu/session.sh prep > $R/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"
+    PYTHONPATH=/tmp/site:services:operator:. PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
+      timeout $(left $(( CAP - 5 ))) python3 bench/gen_async.py --model /tmp/m15 --out $R/gen_async.json \
+      > $R/gen_async.log 2>&1; grep "^raw\|^ours" $R/gen_async.log; exit 0 ;;
   steps5)
     OFFLINE_GEN=0 OFFLINE_JSON=$OUT/gen_offline_server_engine.json PLAIN_RUN=1 TRANSPORTS=compact SOURCES="sampler auto" \
       GEN_TIMEOUT=$(( ($(left $CAP) - 10) / 2 )) bash bench/gpu/session.sh gen-weights; save ;;
