@@ -1,4 +1,4 @@
-"""Where the pushed-weights server's gap to `LLM.generate` lies: one engine, three ways in (issue 29).
+"""Where the pushed-weights server's gap to `LLM.generate` lies: one engine, several ways in (issue 29).
 
 The H100's tenth lease measured, on one host and the same workload (gen_offline.py's and gen_server.py's), the
 same engine steps (~998) for `LLM.generate` plain and for the server, but slower ones through the server: 6.5 ms
@@ -10,7 +10,9 @@ generates the workload
   path, nothing of ours;
 - through `VllmEngine.generate` without and with logprobs (`ours plain`; `ours logprobs sampler`, the spec's
   default, through the compact transport; `ours logprobs auto`, scored in a prefill pass): the server's path
-  minus HTTP and JSON.
+  minus HTTP and JSON;
+- through `AsyncLLM.generate` again, plain, once as before and once while nvidia-smi samples the GPU every 100 ms
+  as gen_server.py's runs do (its `LLM.generate` baselines are not sampled).
 
 Against `LLM.generate` (gen_offline.py --server-engine) and the HTTP server (gen_server.py http --weights ipc)
 this splits the gap into vLLM's async front end, our engine wrapper, and HTTP. Each run records tokens/s, its engine
@@ -35,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gen_offline import offline_steps_text
-from gen_server import cpu_seconds, server_spec, step_counters, step_figures
+from gen_server import GpuBusy, cpu_seconds, server_spec, step_counters, step_figures
 from workload import Workload, dump, figure, grpo_shaped, machine
 
 
@@ -85,18 +87,23 @@ async def measure(engine: Any, work: Workload) -> dict[str, dict[str, float]]:
              ("ours plain", lambda w, tag: ours_run(engine, w, False)),
              ("ours logprobs sampler", lambda w, tag: ours_run(engine, w, True, "sampler")),
              ("ours logprobs auto", lambda w, tag: ours_run(engine, w, True, "auto")),
-             ("raw plain again", lambda w, tag: raw_run(engine.llm, w, tag))]
+             ("raw plain again", lambda w, tag: raw_run(engine.llm, w, tag)),
+             # gen_server.py samples the GPU's utilization with nvidia-smi every 100 ms during its runs, and
+             # LLM.generate's runs are not sampled: does the sampling itself cost the engine anything?
+             ("raw plain, nvidia-smi sampling", lambda w, tag: raw_run(engine.llm, w, tag))]
     for name, case in cases:
         await case(work.subset(8), f"warm-{len(runs)}")
         cpu0, steps0 = cpu_seconds(os.getpid()), step_counters(offline_steps_text())
+        gpu = GpuBusy() if "nvidia-smi" in name else None
         t0 = time.perf_counter()
         tokens = await case(work, str(len(runs)))
         wall = time.perf_counter() - t0
+        busy = gpu.stop() if gpu is not None else {}  # before the CPU: nvidia-smi is a child of this process
         cpu1, steps1 = cpu_seconds(os.getpid()), step_counters(offline_steps_text())
         runs[name] = {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
                       "frontend_cpu_s": cpu1["server_cpu_s"] - cpu0["server_cpu_s"],
                       "engine_cpu_s": cpu1["engine_cpu_s"] - cpu0["engine_cpu_s"],
-                      **step_figures(steps0, steps1, wall)}
+                      **step_figures(steps0, steps1, wall), **busy}
         print(name, json.dumps(runs[name]), flush=True)
     return runs
 
