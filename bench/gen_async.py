@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gen_offline import offline_steps_text
+from gen_offline import metrics_text
 from gen_server import GpuBusy, cpu_seconds, server_spec, step_counters, step_figures
 from workload import Workload, dump, figure, grpo_shaped, machine
 
@@ -93,13 +93,13 @@ async def measure(engine: Any, work: Workload) -> dict[str, dict[str, float]]:
              ("raw plain, nvidia-smi sampling", lambda w, tag: raw_run(engine.llm, w, tag))]
     for name, case in cases:
         await case(work.subset(8), f"warm-{len(runs)}")
-        cpu0, steps0 = cpu_seconds(os.getpid()), step_counters(offline_steps_text())
+        cpu0, steps0 = cpu_seconds(os.getpid()), step_counters(metrics_text())
         gpu = GpuBusy() if "nvidia-smi" in name else None
         t0 = time.perf_counter()
         tokens = await case(work, str(len(runs)))
         wall = time.perf_counter() - t0
         busy = gpu.stop() if gpu is not None else {}  # before the CPU: nvidia-smi is a child of this process
-        cpu1, steps1 = cpu_seconds(os.getpid()), step_counters(offline_steps_text())
+        cpu1, steps1 = cpu_seconds(os.getpid()), step_counters(metrics_text())
         runs[name] = {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
                       "frontend_cpu_s": cpu1["server_cpu_s"] - cpu0["server_cpu_s"],
                       "engine_cpu_s": cpu1["engine_cpu_s"] - cpu0["engine_cpu_s"],
