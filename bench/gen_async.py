@@ -32,13 +32,19 @@ import json
 import os
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gen_offline import metrics_text
-from gen_server import GpuBusy, cpu_seconds, server_spec, step_counters, step_figures
+from gen_server import GpuBusy, cpu_seconds, process_steps, server_spec, step_figures
 from workload import Workload, dump, figure, grpo_shaped, machine
+
+
+async def each_prompt(work: Workload, one: Callable[[int, list[int], int], Awaitable[int]]) -> int:
+    """`one(i, prompt, max_tokens)` for every prompt of the workload at once; the tokens they generated."""
+    return sum(await asyncio.gather(*(one(i, p, m) for i, (p, m) in enumerate(zip(work.prompts, work.max_tokens,
+                                                                                  strict=True)))))
 
 
 async def raw_run(llm: Any, work: Workload, tag: str) -> int:
@@ -56,9 +62,7 @@ async def raw_run(llm: Any, work: Workload, tag: str) -> int:
         assert final is not None and final.finished
         return sum(len(c.token_ids) for c in final.outputs)
 
-    counts = await asyncio.gather(*(one(i, p, m) for i, (p, m) in enumerate(zip(work.prompts, work.max_tokens,
-                                                                                 strict=True))))
-    return sum(counts)
+    return await each_prompt(work, one)
 
 
 async def ours_run(engine: Any, work: Workload, logprobs: bool, source: str = "sampler") -> int:
@@ -76,9 +80,7 @@ async def ours_run(engine: Any, work: Workload, logprobs: bool, source: str = "s
         assert not logprobs or all(len(c.logprobs) == len(c.token_ids) for c in result.completions)
         return sum(len(c.token_ids) for c in result.completions)
 
-    counts = await asyncio.gather(*(one(i, p, m) for i, (p, m) in enumerate(zip(work.prompts, work.max_tokens,
-                                                                                 strict=True))))
-    return sum(counts)
+    return await each_prompt(work, one)
 
 
 async def measure(engine: Any, work: Workload) -> dict[str, dict[str, float]]:
@@ -93,13 +95,13 @@ async def measure(engine: Any, work: Workload) -> dict[str, dict[str, float]]:
              ("raw plain, nvidia-smi sampling", lambda w, tag: raw_run(engine.llm, w, tag))]
     for name, case in cases:
         await case(work.subset(8), f"warm-{len(runs)}")
-        cpu0, steps0 = cpu_seconds(os.getpid()), step_counters(metrics_text())
+        cpu0, steps0 = cpu_seconds(os.getpid()), process_steps()
         gpu = GpuBusy() if "nvidia-smi" in name else None
         t0 = time.perf_counter()
         tokens = await case(work, str(len(runs)))
         wall = time.perf_counter() - t0
         busy = gpu.stop() if gpu is not None else {}  # before the CPU: nvidia-smi is a child of this process
-        cpu1, steps1 = cpu_seconds(os.getpid()), step_counters(metrics_text())
+        cpu1, steps1 = cpu_seconds(os.getpid()), process_steps()
         runs[name] = {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
                       "frontend_cpu_s": cpu1["server_cpu_s"] - cpu0["server_cpu_s"],
                       "engine_cpu_s": cpu1["engine_cpu_s"] - cpu0["engine_cpu_s"],
@@ -138,8 +140,8 @@ def main() -> None:
         base = json.loads(args.offline.read_text())["runs"]["plain"]["tokens_per_s"]
         baseline = "LLM.generate plain (gen_offline --server-engine)"
     dump(args.out, {
-        "benchmark": "one engine (the pushed-weights server's), three ways in: vLLM's AsyncLLM, VllmEngine plain and "
-                     "with logprobs",
+        "benchmark": "one engine (the pushed-weights server's), several ways in: vLLM's AsyncLLM (also while "
+                     "nvidia-smi samples the GPU), VllmEngine plain and with logprobs from each source",
         "command": f"python bench/gen_async.py --model {args.model} --out $OUT/gen_async.json"
                    + (f" --offline {args.offline}" if args.offline else ""),
         "machine": machine(), "date": dt.date.today().isoformat(), "engine_start_s": start_s,

@@ -60,42 +60,21 @@ def make_adapter(model_dir: Path, out_dir: Path, rank: int = 32, seed: int = 0) 
     return out_dir
 
 
-def metrics_text() -> str:
-    """This process's Prometheus metrics (vLLM's, where an engine with stats on runs here) as text."""
-    from prometheus_client import REGISTRY, generate_latest
-
-    return generate_latest(REGISTRY).decode()
-
-
-def engine_cpu_seconds() -> float:
-    """CPU seconds so far of this process's children (vLLM's engine core), py-spy's (--profile) left out."""
-    import contextlib
-
-    import psutil  # a dependency of vLLM
-
-    total = 0.0
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.NoSuchProcess):  # ended since the listing
-            if not child.name().startswith("py-spy"):
-                times = child.cpu_times()
-                total += times.user + times.system
-    return total
-
-
 def offline_steps(llm: Any) -> dict[str, float]:
     """vLLM's step counters in this process (the engine's stats on, as the server's are), as gen_server.py reads
     them from the server's /metrics; none with stats off."""
-    from gen_server import step_counters
+    from gen_server import process_steps
 
-    if llm.llm_engine.log_stats is False:
-        return {}
-    return step_counters(metrics_text())
+    return {} if llm.llm_engine.log_stats is False else process_steps()
 
 
 def run_llm(llm: Any, work: Workload, *, logprobs: int | None, flat: bool, detokenize: bool,
             lora: Any | None) -> dict[str, float]:
-    from gen_server import step_figures
+    from gen_server import cpu_seconds, step_figures
     from vllm import SamplingParams, TokensPrompt
+
+    def engine_cpu() -> float:  # vLLM's engine core, a child of this process; py-spy (--profile) left out
+        return cpu_seconds(os.getpid(), leave_out="py-spy")["engine_cpu_s"]
 
     params = [
         SamplingParams(n=work.n, temperature=1.0, max_tokens=m, ignore_eos=True, seed=i, logprobs=logprobs,
@@ -103,12 +82,12 @@ def run_llm(llm: Any, work: Workload, *, logprobs: int | None, flat: bool, detok
         for i, m in enumerate(work.max_tokens)
     ]
     prompts = [TokensPrompt(prompt_token_ids=p) for p in work.prompts]
-    before, engine0 = offline_steps(llm), engine_cpu_seconds()
+    before, engine0 = offline_steps(llm), engine_cpu()
     cpu0, t0 = time.process_time(), time.perf_counter()
     outputs = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     steps = step_figures(before, offline_steps(llm), wall)
-    steps["engine_cpu_s"] = engine_cpu_seconds() - engine0
+    steps["engine_cpu_s"] = engine_cpu() - engine0
     tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     if logprobs is not None:
         got = sum(len(c.logprobs or []) for o in outputs for c in o.outputs)

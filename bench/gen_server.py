@@ -240,9 +240,10 @@ class GpuBusy:
         return {"gpu_util_mean_pct": statistics.fmean(values), "gpu_util_samples": len(values)} if values else {}
 
 
-def cpu_seconds(pid: int) -> dict[str, float]:
+def cpu_seconds(pid: int, leave_out: str | None = None) -> dict[str, float]:
     """CPU seconds (user + system) so far of the server's process (HTTP, and vLLM's front end: its output
-    processor) and of its child processes together (vLLM's engine core)."""
+    processor) and of its child processes together (vLLM's engine core), children whose name begins with
+    `leave_out` (a profiler this process started) not counted."""
     import psutil  # a dependency of vLLM
 
     def used(process: psutil.Process) -> float:
@@ -253,7 +254,8 @@ def cpu_seconds(pid: int) -> dict[str, float]:
     children = 0.0
     for child in server.children(recursive=True):
         with contextlib.suppress(psutil.NoSuchProcess):  # ended since the listing
-            children += used(child)
+            if leave_out is None or not child.name().startswith(leave_out):
+                children += used(child)
     return {"server_cpu_s": used(server), "engine_cpu_s": children}
 
 
@@ -340,6 +342,13 @@ STEP_SAMPLES = {"vllm:iteration_tokens_total_count": "steps", "vllm:iteration_to
 async def engine_steps(client: httpx.AsyncClient) -> dict[str, float]:
     """vLLM's step counters so far, summed over their labels; none with the transformers engine."""
     return step_counters((await client.get("/metrics")).text)
+
+
+def process_steps() -> dict[str, float]:
+    """vLLM's step counters in this process's own metrics (an engine with stats on running in it: LLM, AsyncLLM)."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    return step_counters(generate_latest(REGISTRY).decode())
 
 
 def step_counters(exposition: str) -> dict[str, float]:

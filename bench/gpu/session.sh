@@ -18,6 +18,8 @@
 #                                                    # the server without logprobs too; PROFILE=1: py-spy of both runs)
 #   bash bench/gpu/session.sh gen-engines            # LLM.generate plain and logprobs=0, its usual engine arguments vs
 #                                                    # the pushed-weights server's (gen_offline.py --server-engine), py-spy
+#   bash bench/gpu/session.sh gen-async              # the pushed-weights server's engine in-process: vLLM's AsyncLLM
+#                                                    # against VllmEngine (plain; logprobs, both sources), steps, CPU
 #   bash bench/gpu/session.sh lora-load              # where add_lora's time goes: vLLM's host loads vs the server's GPU-resident ones
 #   bash bench/gpu/session.sh gpu-share              # two processes on one GPU: decode-shaped loop beside training (MPS=1: also under MPS)
 # prep needs blake3 (adapter manifests' digests) when the device lacks it: carry its wheel in p1,
@@ -221,10 +223,12 @@ gen_weights() {
 gen_async() {
   # issue 29: the pushed-weights server's engine in-process, through vLLM's AsyncLLM and through VllmEngine (plain,
   # logprobs), against LLM.generate with the server's engine arguments (gen-engines' offline_server_engine)
-  log "one engine, three ways in: AsyncLLM, VllmEngine plain and with logprobs"
+  # (its log written as it goes: a call cut off returns the lines of the runs that finished)
+  log "one engine, several ways in: AsyncLLM, VllmEngine plain and with logprobs"
   free_gpu
+  local base=$OUT/gen_offline_server_engine.json
   timeout ${GEN_TIMEOUT:-300} $PY bench/gen_async.py --model $M --out "$OUT/gen_async.json" \
-    $([ ! -f "$OUT/gen_offline_server_engine.json" ] || echo --offline "$OUT/gen_offline_server_engine.json") 2>&1 | grep -v "it/s\]" | tail -40 > "$OUT/gen_async.log"
+    $([ ! -f "$base" ] || echo --offline "$base") > "$OUT/gen_async.log" 2>&1
   grep -h "^raw\|^ours" "$OUT/gen_async.log"
 }
 

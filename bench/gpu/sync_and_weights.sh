@@ -161,9 +161,7 @@ case $CALL in
       bash bench/gpu/session.sh gen-engines; save; } ;;
   steps4q)  # in the call that installs vLLM; a cut-off call still returns each finished run's line
     NO_DATASET=1 NO_ADAPTER=1 bash bench/gpu/session.sh prep > $R/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"
-    PYTHONPATH=/tmp/site:services:operator:. PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
-      timeout $(left $(( CAP - 5 ))) python3 bench/gen_async.py --model /tmp/m15 --out $R/gen_async.json \
-      > $R/gen_async.log 2>&1; grep "^raw\|^ours" $R/gen_async.log; exit 0 ;;
+    OUT=$R GEN_TIMEOUT=$(left $(( CAP - 5 ))) bash bench/gpu/session.sh gen-async; exit 0 ;;
   steps5)
     OFFLINE_GEN=0 OFFLINE_JSON=$OUT/gen_offline_server_engine.json PLAIN_RUN=1 TRANSPORTS=compact SOURCES="sampler auto" \
       GEN_TIMEOUT=$(( ($(left $CAP) - 10) / 2 )) bash bench/gpu/session.sh gen-weights; save ;;
