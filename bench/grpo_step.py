@@ -227,9 +227,11 @@ def main() -> None:
                     "--fresh", "--no-live"]
         else:  # colocate: the trainer alone, vLLM in-process with sleep mode (TRL's own path)
             argv = [sys.executable, "-m", "grpo_cli.main", "train", "--config", str(run_file)]
+        # the baseline scores each batch with TRL's own no-grad forward, not ours from the training forward
+        run_env = env if mode == "server" else {**env, "GRPO_TRAINER_OLD_LOGPS": "forward"}
         t0 = time.perf_counter()
         left = None if args.deadline_s is None else max(1.0, args.deadline_s - (time.monotonic() - started))
-        code = run_until(argv, log, env, left)
+        code = run_until(argv, log, run_env, left)
         wall = time.perf_counter() - t0
         progress_dir = (run_dir if mode == "server" else args.work / ".grpo" / name) / "progress"
         rows = history(progress_dir / f"{name}.history.jsonl")

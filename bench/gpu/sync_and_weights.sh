@@ -59,6 +59,14 @@
 #                                               # default; every gen-weights before the tenth lease ran auto) and auto
 #   bash bench/gpu/sync_and_weights.sh steps6   # the dataset; ours with the spec defaults, then with logprobsSource
 #                                               # auto (LoRA, the learning workload)
+# The importance-sampling ratio formed in the training forward (one policy forward fewer a step; TRL colocate keeps
+# its own scoring forward, GRPO_TRAINER_OLD_LOGPS=forward) against the separate forward, LoRA (issue 28) and full
+# fine-tuning (issue 29), three calls of one lease:
+#   bash bench/gpu/sync_and_weights.sh ol1      # prep; TRL colocate, LoRA; ours with the spec defaults (LoRA)
+#   bash bench/gpu/sync_and_weights.sh ol2      # ours with the spec defaults and TRL's scoring forward (the A/B);
+#                                               # TRL colocate, full fine-tuning at LR (default 3e-4)
+#   bash bench/gpu/sync_and_weights.sh ol3      # ours, full fine-tuning (no prefetch); the same with TRL's scoring
+#                                               # forward where 200 s are left
 # CAP: seconds the call may take (default 560). bench/gpu/curves.py prints each run's steps beside its curves.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -67,7 +75,7 @@ R=$OUT; export OUT=/tmp/o; mkdir -p $OUT; S=$(date +%s)
 CAP=${CAP:-560}
 left() { echo $(( $1 - $(date +%s) + S )); }   # seconds until mark $1 of this call
 save() { tar czf "$R/$CALL.tgz" -C /tmp/o .; }   # after each run: a call cut off still returns what it measured
-CALL=${1:?call1, call2, call3, push, full, inplace1-3, depth1-2, compact, held1-2, prof1-2, ab1-3, steps1-6 or steps4q}
+CALL=${1:?call1, call2, call3, push, full, inplace1-3, depth1-2, compact, held1-2, prof1-2, ab1-3, steps1-6, steps4q or ol1-3}
 case $CALL in
   call1)  # in the call that installs vLLM
     bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
@@ -169,6 +177,20 @@ case $CALL in
     bash bench/gpu/session.sh prep > $OUT/prep6.log 2>&1; echo "prep $(( $(date +%s)-S ))s"
     ONLY=server PREFETCH=0 NAME=defaults GRPO_TIMEOUT=$(left $(( CAP / 2 ))) bash bench/gpu/session.sh grpo; save
     ONLY=server PREFETCH=0 LOGPROBS=auto NAME=auto GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
+  ol1)  # in the call that installs vLLM
+    bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"
+    ONLY=colocate NAME=colocate GRPO_TIMEOUT=$(left $(( CAP / 2 ))) bash bench/gpu/session.sh grpo; save
+    ONLY=server PREFETCH=0 NAME=defaults GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
+  ol2)
+    GRPO_TRAINER_OLD_LOGPS=forward ONLY=server PREFETCH=0 NAME=defaults_forward GRPO_TIMEOUT=$(left $(( CAP / 2 ))) \
+      bash bench/gpu/session.sh grpo; save
+    ONLY=colocate TUNING=full LR=${LR:-3e-4} NAME=colocate_full GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo
+    save ;;
+  ol3)
+    ONLY=server TUNING=full PREFETCH=0 LR=${LR:-3e-4} NAME=full GRPO_TIMEOUT=$(left $(( CAP / 2 ))) \
+      bash bench/gpu/session.sh grpo; save
+    [ "$(left $CAP)" -lt 200 ] || { GRPO_TRAINER_OLD_LOGPS=forward ONLY=server TUNING=full PREFETCH=0 LR=${LR:-3e-4} \
+      NAME=full_forward GRPO_TIMEOUT=$(left $(( CAP - 5 ))) bash bench/gpu/session.sh grpo; save; } ;;
   full)
     TUNING=full PREFETCH=0 LR=${LR:-3e-4} NAME=full GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
 esac

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo_api.models import ImportanceSamplingSpec
+from grpo_api.models import MAX_DRIFT_OFF, ImportanceSamplingSpec
 from grpo_trainer.errors import TrainingFailed
 from grpo_trainer.metrics import DiscardReason, TrainerMetrics
 from grpo_trainer.transport.policy_sync import PolicySync
@@ -395,9 +395,14 @@ class DriftGuard:
             return None
         return cls(importance_sampling.max_drift, backend)
 
+    @property
+    def judges(self) -> bool:
+        """Whether a stale batch can be refused at all (maxDrift at its ceiling trains on every one)."""
+        return self.max_drift < MAX_DRIFT_OFF
+
     def rejects(self, drift: float) -> bool:
         backend = self.backend
-        if backend is None or not backend.last_staleness:
+        if backend is None or not backend.last_staleness or not self.judges:
             return False  # a batch of the current policy differs from it only by numerics
         if drift > self.max_drift:
             return True

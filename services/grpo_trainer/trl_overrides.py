@@ -21,6 +21,9 @@ What differs is the transport and the weight sync, so the override is small:
    importanceSampling.maxDrift, scores a batch generated again from the current
    policy instead (generation.DriftGuard); the discarded batch's metrics are
    taken back out of TRL's step metrics.
+4. Where the policy that scores a batch is the one that trains on it (`old_logps_in_loss`), the scoring skips
+   TRL's no-grad forward for the correction's old-policy logprobs and `_compute_loss` forms the ratio from the
+   training forward's own logprobs instead (sampler_ratio): one forward pass of the policy fewer per step.
 
 `surface_problems()` lists what of TRL this module relies on and reports
 anything a TRL upgrade moved; the trainer runs it at start-up and a test runs it
@@ -44,10 +47,11 @@ from torch.utils.data import Sampler
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from trl import GRPOConfig, GRPOTrainer
 from trl.generation.vllm_generation import VLLMGeneration
-from trl.trainer.utils import RepeatSampler
+from trl.trainer.utils import RepeatSampler, nanmax, nanmin
 
 from grpo_trainer.errors import TrainingFailed, UnsupportedSetting
 from grpo_trainer.generation import DriftGuard, GenerationBackend, generation_batches
+from grpo_trainer.sampler_ratio import ratio_figures, sampler_ratio
 
 PINNED_TRL_VERSION = "1.16.0"
 
@@ -176,6 +180,10 @@ class ServerGRPOTrainer(GRPOTrainer):
     drift_guard: DriftGuard | None = None
     #: The session's measures of the step (step and sync time, staleness), added to each step's log.
     step_log_metrics: Callable[[], dict[str, float]] | None = None
+    #: The correction's old-policy logprobs are the training forward's (sampler_ratio.old_logps_from_training_forward).
+    old_logps_in_loss: bool = False
+    #: The micro-batch whose ratio the next training forward forms (set by _compute_loss for that one call).
+    _ratio_inputs: dict[str, Any] | None = None
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """A step's log (the one with its `loss`; not the end-of-training summary) gets the session's measures too,
@@ -185,6 +193,17 @@ class ServerGRPOTrainer(GRPOTrainer):
         super().log(logs, start_time)
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        if not (self.old_logps_in_loss and self.model is not None and self.model.training):
+            return self._guarded_batch(inputs)
+        # TRL reads the flag in scoring only to compute the old logprobs, the ratio and its metrics: all three
+        # are done in _compute_loss instead, from the training forward (the flag is back on by then)
+        self.vllm_importance_sampling_correction = False
+        try:
+            return self._guarded_batch(inputs)
+        finally:
+            self.vllm_importance_sampling_correction = True
+
+    def _guarded_batch(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         guard = self.drift_guard
         if guard is None or self.model is None or not self.model.training:
             return super()._generate_and_score_completions(inputs)
@@ -204,6 +223,44 @@ class ServerGRPOTrainer(GRPOTrainer):
         self.state.num_input_tokens_seen = tokens_seen
         guard.regenerate(drift, time.monotonic() - started)
         return super()._generate_and_score_completions(inputs)
+
+    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        if not (self.old_logps_in_loss and model.training and "importance_sampling_ratio" not in inputs):
+            return super()._compute_loss(model, inputs)
+        if inputs.get("sampling_per_token_logps") is None:
+            raise TrainingFailed("the generation batch has no sampler logprobs; the importance-sampling correction "
+                                 "(spec.trainer.importanceSampling) needs them")
+        self._ratio_inputs = inputs
+        try:
+            loss: torch.Tensor = super()._compute_loss(model, inputs)
+        finally:
+            self._ratio_inputs = None
+        return loss
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
+        result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        inputs, self._ratio_inputs = self._ratio_inputs, None  # _compute_loss's first call is its training forward
+        if inputs is not None:
+            inputs["importance_sampling_ratio"] = self._sampler_ratio(result[0].detach(), inputs)
+        return result
+
+    def _sampler_ratio(self, policy_logps: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
+        """TRL's ratio and its step metrics (_generate_and_score_completions), from the training forward's logprobs."""
+        sampled = inputs["sampling_per_token_logps"]
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        mode = self.vllm_importance_sampling_mode
+        ratio = sampler_ratio(policy_logps, sampled, mask, mode=mode, clip_min=self.vllm_importance_sampling_clip_min,
+                              clip_max=self.vllm_importance_sampling_clip_max)
+        figures = ratio_figures(policy_logps, sampled, mask, ratio, mode=mode)
+        metrics, gather = self._metrics["train"], self.accelerator.gather
+        metrics["sampling/sampling_logp_difference/mean"].append(gather(figures.logp_difference_mean).mean().item())
+        metrics["sampling/sampling_logp_difference/max"].append(gather(figures.logp_difference_max).max().item())
+        metrics["sampling/importance_sampling_ratio/min"].append(nanmin(gather(figures.ratio_min)).item())
+        metrics["sampling/importance_sampling_ratio/mean"].append(gather(figures.ratio_mean).nanmean().item())
+        metrics["sampling/importance_sampling_ratio/max"].append(nanmax(gather(figures.ratio_max)).item())
+        return ratio
 
     def _policy_drift(self, output: dict[str, Any]) -> float:
         """Mean |log-ratio| between the training policy and the sampler over the batch's completion tokens, all
@@ -255,6 +312,8 @@ _SIGNATURES: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (GRPOTrainer, "_tokenize_prompts", ("prompts",)),
     (GRPOTrainer, "_load_optimizer_and_scheduler", ("checkpoint",)),
     (GRPOTrainer, "_generate_and_score_completions", ("inputs",)),
+    (GRPOTrainer, "_compute_loss", ("model", "inputs")),
+    (GRPOTrainer, "_get_per_token_logps_and_entropies", ("model", "input_ids", "attention_mask", "logits_to_keep")),
     (GRPOTrainer, "log", ("logs", "start_time")),
     (RepeatSampler, "__init__", ("data_source", "mini_repeat_count", "batch_size", "repeat_count", "shuffle",
                                  "seed")),
@@ -289,6 +348,12 @@ _SOURCE_FACTS: tuple[tuple[Callable[..., Any], str, str], ...] = (
     (GRPOTrainer._generate, "self.state.num_input_tokens_seen +=",
      "the only trainer state generating a batch changes besides the step metrics (undone for a discarded one)"),
     (VLLMGeneration.__init__, "self._init_vllm()", "VLLMGeneration.__init__ ends by calling _init_vllm"),
+    (GRPOTrainer._generate_and_score_completions, "self.use_vllm and self.vllm_importance_sampling_correction",
+     "scoring computes the old logprobs, the ratio and its metrics only under the correction's flag"),
+    (GRPOTrainer._compute_loss, "old_per_token_logps = per_token_logps.detach() if old_per_token_logps is None",
+     "without scored old logprobs the loss takes the training forward's, detached"),
+    (GRPOTrainer._compute_loss, 'per_token_loss * inputs["importance_sampling_ratio"]',
+     "the loss reads the correction's ratio from its inputs"),
     (RepeatSampler.__iter__, "for _ in range(self.repeat_count)", "RepeatSampler's stream layout"),
 )
 
@@ -321,8 +386,14 @@ def surface_problems() -> list[str]:
     for attr in ("batch_size", "mini_repeat_count", "repeat_count"):
         if f"self.{attr} = " not in inspect.getsource(RepeatSampler.__init__):
             problems.append(f"RepeatSampler no longer keeps self.{attr}")
+    loss_source = inspect.getsource(GRPOTrainer._compute_loss)
+    forward_at = loss_source.find("self._get_per_token_logps_and_entropies(")
+    if not 0 <= forward_at < loss_source.find('inputs["importance_sampling_ratio"]'):
+        problems.append("GRPOTrainer._compute_loss no longer runs its training forward before reading the ratio "
+                        "(old_logps_in_loss forms the ratio in that forward)")
     config_fields = set(GRPOConfig.__dataclass_fields__)
     for required in ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+                     "vllm_importance_sampling_clip_min", "num_iterations", "steps_per_generation",
                      "off_policy_mask_threshold", "importance_sampling_level", "loss_type", "vllm_mode"):
         if required not in config_fields:
             problems.append(f"GRPOConfig has no field {required}")

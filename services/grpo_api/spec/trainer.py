@@ -112,6 +112,10 @@ class ImportanceSamplingMode(StrEnum):
     MASK = "mask"
 
 
+#: importanceSampling.maxDrift at its ceiling: every stale batch is trained on (the drift guard is off).
+MAX_DRIFT_OFF = 100.0
+
+
 class ImportanceSamplingSpec(ApiModel):
     """Correction for the gap between the server's sampling policy and the trainer's policy."""
 
@@ -125,7 +129,7 @@ class ImportanceSamplingSpec(ApiModel):
     max_drift: float = Field(
         default=0.3,
         gt=0.0,
-        le=100.0,
+        le=MAX_DRIFT_OFF,
         description="Most mean |log-ratio| a token, between the policy that trains on a stale batch and the one "
         "that sampled it (TRL's sampling/sampling_logp_difference/mean), for the batch to be trained on; a "
         "stale batch beyond it is generated again from the current policy "
