@@ -8,7 +8,8 @@ and for LoRA with the adapter in float32 (PEFT's default, which TRL keeps) and i
 
     python bench/train_step.py --model /tmp/m15 --out $OUT/train_step.json
 
-Random token ids of the learning workload's shape (64 sequences: a short prompt and 64 completion tokens).
+Random token ids of the learning workload's shape (64 sequences: a short prompt and 64 completion tokens). Needs
+torch, transformers and peft only; without TRL the log-probs come from the full logits instead of TRL's head.
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ from typing import Any
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
-from trl.trainer.utils import add_fused_lm_head
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "services"))
-from grpo_api.models import LoraSpec  # noqa: E402
-from grpo_trainer.config import lora_config_kwargs  # noqa: E402
+try:  # TRL's fused LM head, as GRPOTrainer scores; without TRL (the device before the bundle) the full logits
+    from trl.trainer.utils import add_fused_lm_head
+except ImportError:
+    add_fused_lm_head = None
+
+#: The benchmark's LoRA (bench/grpo_step.py: r32, alpha 64, every linear layer), as lora_config_kwargs builds it.
+LORA = {"r": 32, "lora_alpha": 64, "lora_dropout": 0.0, "target_modules": "all-linear", "bias": "none",
+        "use_dora": False, "task_type": "CAUSAL_LM"}
 
 VARIANTS = ("full", "lora", "lora_bf16")
 #: The GPU when there is one; the CPU only to smoke-test this script on a tiny model.
@@ -57,10 +62,10 @@ def timed(fn: Callable[[], Any], repeats: int) -> list[float]:
 
 def build(model_dir: Path, variant: str) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(DEVICE)
-    add_fused_lm_head(model, outputs=("log_probs", "entropy"))  # as GRPOTrainer does, before PEFT
+    if add_fused_lm_head is not None:
+        add_fused_lm_head(model, outputs=("log_probs", "entropy"))  # as GRPOTrainer does, before PEFT
     if variant != "full":
-        config = LoraConfig(**lora_config_kwargs(LoraSpec(r=32, alpha=64)))
-        model = get_peft_model(model, config, autocast_adapter_dtype=variant == "lora")
+        model = get_peft_model(model, LoraConfig(**LORA), autocast_adapter_dtype=variant == "lora")
     model.train()
     return model
 
@@ -75,35 +80,39 @@ def measure(model_dir: Path, variant: str, *, batch: int, prompt: int, completio
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-7, fused=DEVICE == "cuda")
 
-    def forward() -> Any:
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        """The completion tokens' log-probs and entropies."""
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
-            return model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+            if add_fused_lm_head is not None:
+                out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+                return out.log_probs[:, -completion:], out.entropy[:, -completion:]
+            logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=completion + 1).logits[:, :-1].float()
+        logps = torch.log_softmax(logits, dim=-1)
+        entropy = -(logps.exp() * logps).sum(-1)
+        return logps.gather(-1, ids[:, -completion:, None]).squeeze(-1), entropy
 
     def scoring() -> None:
         with torch.no_grad():
             forward()
 
     def train() -> None:
-        out = forward()
-        loss = out.log_probs[:, -completion:].mean() + 0.0 * out.entropy[:, -completion:].mean()
-        loss.backward()
+        logps, entropy = forward()
+        (logps.mean() + 0.0 * entropy.mean()).backward()
 
     def step() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     train()
-    figures = {name: timed(fn, repeats) for name, fn in (("scoring_forward", scoring), ("train_forward_backward", train),
-                                                         ("optimizer", step))}
+    phases = (("scoring_forward", scoring), ("train_forward_backward", train), ("optimizer", step))
+    figures = {name: timed(fn, repeats) for name, fn in phases}
     result = {
-        "variant": variant, "trainable_parameters": sum(p.numel() for p in trainable),
+        "variant": variant, "lm_head": "trl fused" if add_fused_lm_head is not None else "full logits",
+        "trainable_parameters": sum(p.numel() for p in trainable),
         "trainable_dtype": str(trainable[0].dtype),
         **{f"{name}_ms_median": statistics.median(samples) for name, samples in figures.items()},
         "samples_ms": figures,
     }
-    del model, optimizer, trainable
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
     return result
 
 
@@ -123,10 +132,13 @@ def main() -> int:
                       completion=args.completion_length, repeats=args.repeats)
         print(json.dumps({k: v for k, v in run.items() if k != "samples_ms"}), flush=True)
         runs.append(run)
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()  # the variant's model and optimizer went with measure()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "benchmark": "GRPO training step phases: LoRA against full fine-tuning",
-        "command": " ".join(sys.argv), "machine": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
+        "machine": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu",
         "workload": {"batch": args.batch, "prompt": args.prompt_length, "completion": args.completion_length},
         "runs": runs,
     }, indent=1))
