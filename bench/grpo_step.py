@@ -227,8 +227,10 @@ def main() -> None:
                     "--fresh", "--no-live"]
         else:  # colocate: the trainer alone, vLLM in-process with sleep mode (TRL's own path)
             argv = [sys.executable, "-m", "grpo_cli.main", "train", "--config", str(run_file)]
-        # the baseline scores each batch with TRL's own no-grad forward, not ours from the training forward
-        run_env = env if mode == "server" else {**env, "GRPO_TRAINER_OLD_LOGPS": "forward"}
+        # the baseline trains as TRL does: its own no-grad scoring forward (not the ratio from the training
+        # forward) and PEFT's casts of each adapted layer's input
+        run_env = env if mode == "server" else {**env, "GRPO_TRAINER_OLD_LOGPS": "forward",
+                                                "GRPO_TRAINER_ADAPTER_INPUT_CASTS": "keep"}
         t0 = time.perf_counter()
         left = None if args.deadline_s is None else max(1.0, args.deadline_s - (time.monotonic() - started))
         code = run_until(argv, log, run_env, left)

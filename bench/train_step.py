@@ -4,7 +4,9 @@ On the H100's eleventh lease our LoRA step spent ~0.30 s outside generation and 
 ~0.16 s, on the same model and batch. This times what TRL does with the policy in a step, without a server: the
 scoring forward (no grad, which the trainer now skips where it may), the training forward and backward through
 TRL's fused LM head (log-probs and entropy, never the full logits), and the optimizer step; for full fine-tuning
-and for LoRA with the adapter in float32 (PEFT's default, which TRL keeps) and in the base model's dtype.
+and for LoRA with the adapter in float32 (PEFT's default, which TRL keeps), the same without PEFT's cast of each
+adapted layer's input to float32 (as the trainer trains under autocast: runner.drops_adapter_input_casts), and
+the adapter in bf16.
 
     python bench/train_step.py --model /tmp/m15 --out $OUT/train_step.json
 
@@ -36,7 +38,7 @@ except ImportError:
 LORA = {"r": 32, "lora_alpha": 64, "lora_dropout": 0.0, "target_modules": "all-linear", "bias": "none",
         "use_dora": False, "task_type": "CAUSAL_LM"}
 
-VARIANTS = ("full", "lora", "lora_bf16")
+VARIANTS = ("full", "lora", "lora_nocast", "lora_bf16")
 #: The GPU when there is one; the CPU only to smoke-test this script on a tiny model.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -65,7 +67,11 @@ def build(model_dir: Path, variant: str) -> torch.nn.Module:
     if add_fused_lm_head is not None:
         add_fused_lm_head(model, outputs=("log_probs", "entropy"))  # as GRPOTrainer does, before PEFT
     if variant != "full":
-        model = get_peft_model(model, LoraConfig(**LORA), autocast_adapter_dtype=variant == "lora")
+        model = get_peft_model(model, LoraConfig(**LORA), autocast_adapter_dtype=variant != "lora_bf16")
+        if variant == "lora_nocast":  # as the trainer trains under autocast (runner.drops_adapter_input_casts)
+            for module in model.modules():
+                if hasattr(module, "cast_input_dtype_enabled"):
+                    module.cast_input_dtype_enabled = False
     model.train()
     return model
 
