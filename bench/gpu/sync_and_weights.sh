@@ -67,6 +67,11 @@
 #                                               # TRL colocate, full fine-tuning at LR (default 3e-4)
 #   bash bench/gpu/sync_and_weights.sh ol3      # ours, full fine-tuning (no prefetch); the same with TRL's scoring
 #                                               # forward where 200 s are left
+# Where the LoRA step's training time goes against full fine-tuning's (bench/train_step.py: scoring forward,
+# training forward and backward, optimizer; LoRA with and without PEFT's float32 input casts) and the whole step
+# with and without those casts (GRPO_TRAINER_ADAPTER_INPUT_CASTS=keep), two calls of one lease:
+#   bash bench/gpu/sync_and_weights.sh lc1      # prep; train_step.py; TRL colocate, LoRA; ours with the spec defaults
+#   bash bench/gpu/sync_and_weights.sh lc2      # ours with PEFT's casts kept; ours with the spec defaults again
 # CAP: seconds the call may take (default 560). bench/gpu/curves.py prints each run's steps beside its curves.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -75,7 +80,7 @@ R=$OUT; export OUT=/tmp/o; mkdir -p $OUT; S=$(date +%s)
 CAP=${CAP:-560}
 left() { echo $(( $1 - $(date +%s) + S )); }   # seconds until mark $1 of this call
 save() { tar czf "$R/$CALL.tgz" -C /tmp/o .; }   # after each run: a call cut off still returns what it measured
-CALL=${1:?call1, call2, call3, push, full, inplace1-3, depth1-2, compact, held1-2, prof1-2, ab1-3, steps1-6, steps4q or ol1-3}
+CALL=${1:?call1, call2, call3, push, full, inplace1-3, depth1-2, compact, held1-2, prof1-2, ab1-3, steps1-6, steps4q, ol1-3 or lc1-2}
 case $CALL in
   call1)  # in the call that installs vLLM
     bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"; tail -3 $OUT/prep.log
@@ -191,6 +196,16 @@ case $CALL in
       bash bench/gpu/session.sh grpo; save
     [ "$(left $CAP)" -lt 200 ] || { GRPO_TRAINER_OLD_LOGPS=forward ONLY=server TUNING=full PREFETCH=0 LR=${LR:-3e-4} \
       NAME=full_forward GRPO_TIMEOUT=$(left $(( CAP - 5 ))) bash bench/gpu/session.sh grpo; save; } ;;
+  lc1)  # in the call that installs vLLM
+    bash bench/gpu/session.sh prep > $OUT/prep.log 2>&1; echo "prep $(( $(date +%s)-S ))s"
+    PYTHONPATH=/tmp/site:services timeout 150 python3 bench/train_step.py --model /tmp/m15 \
+      --out $OUT/train_step.json 2>&1 | grep '^{'; save
+    ONLY=colocate NAME=colocate GRPO_TIMEOUT=$(left $(( CAP * 3 / 5 ))) bash bench/gpu/session.sh grpo; save
+    ONLY=server PREFETCH=0 NAME=defaults GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
+  lc2)
+    GRPO_TRAINER_ADAPTER_INPUT_CASTS=keep ONLY=server PREFETCH=0 NAME=defaults_casts \
+      GRPO_TIMEOUT=$(left $(( CAP / 2 ))) bash bench/gpu/session.sh grpo; save
+    ONLY=server PREFETCH=0 NAME=defaults2 GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
   full)
     TUNING=full PREFETCH=0 LR=${LR:-3e-4} NAME=full GRPO_TIMEOUT=$(left $CAP) bash bench/gpu/session.sh grpo; save ;;
 esac
