@@ -5,7 +5,7 @@ On the H100's eleventh lease our LoRA step spent ~0.30 s outside generation and 
 scoring forward (no grad, which the trainer now skips where it may), the training forward and backward through
 TRL's fused LM head (log-probs and entropy, never the full logits), and the optimizer step; for full fine-tuning
 and for LoRA with the adapter in float32 (PEFT's default, which TRL keeps), the same without PEFT's cast of each
-adapted layer's input to float32 (as the trainer trains under autocast: runner.drops_adapter_input_casts), and
+adapted layer's input to float32 (as the trainer trains under autocast: adapter_casts.drops_adapter_input_casts), and
 the adapter in bf16.
 
     python bench/train_step.py --model /tmp/m15 --out $OUT/train_step.json
@@ -68,7 +68,7 @@ def build(model_dir: Path, variant: str) -> torch.nn.Module:
         add_fused_lm_head(model, outputs=("log_probs", "entropy"))  # as GRPOTrainer does, before PEFT
     if variant != "full":
         model = get_peft_model(model, LoraConfig(**LORA), autocast_adapter_dtype=variant != "lora_bf16")
-        if variant == "lora_nocast":  # as the trainer trains under autocast (runner.drops_adapter_input_casts)
+        if variant == "lora_nocast":  # as the trainer trains under autocast (adapter_casts.drops_adapter_input_casts)
             for module in model.modules():
                 if hasattr(module, "cast_input_dtype_enabled"):
                     module.cast_input_dtype_enabled = False

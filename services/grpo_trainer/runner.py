@@ -437,6 +437,8 @@ def _run(
         log(f"resuming from {resume}")
     from peft.helpers import disable_input_dtype_casting
 
+    from grpo_trainer.adapter_casts import drops_adapter_input_casts
+
     model = trainer.model
     assert model is not None  # TRL's trainer always holds its model
     drop_casts = drops_adapter_input_casts(trainer)
@@ -453,30 +455,6 @@ def _run(
     if main:
         log(f"done: step {progress.step}/{progress.max_steps}, {sync.kind} v{progress.adapter_version}")
     return progress
-
-
-#: "off" (the default: drops_adapter_input_casts) or "keep" (PEFT's casts, as TRL trains; the benchmark's
-#: colocate baseline, and an A/B of the saving).
-ADAPTER_INPUT_CASTS_ENV = "GRPO_TRAINER_ADAPTER_INPUT_CASTS"
-
-
-def drops_adapter_input_casts(trainer: Any) -> bool:
-    """Whether the trainer trains without PEFT's cast of each adapted layer's input to the adapter's dtype.
-
-    PEFT casts it to float32 (its default adapter dtype, which TRL keeps); under the trainer's bf16 or fp16 autocast
-    every such matmul runs in half precision whatever its input, so the cast and autocast's cast back change no
-    result and cost two copies of the layer's activations, each way. Dropped under autocast without LoRA dropout
-    (dropout draws its mask per dtype, so there the casts stay): tests/trainer/test_adapter_input_casts.py, the same
-    outputs and gradients, bit for bit."""
-    import torch
-
-    chosen = os.environ.get(ADAPTER_INPUT_CASTS_ENV) or "off"
-    if chosen not in ("off", "keep"):
-        raise InvalidSpec(f"the environment's {ADAPTER_INPUT_CASTS_ENV} is {chosen!r}; expected 'off' or 'keep'")
-    dropout = any(isinstance(layer, torch.nn.Dropout) and layer.p > 0 for module in trainer.model.modules()
-                  if isinstance(dropouts := getattr(module, "lora_dropout", None), torch.nn.ModuleDict)
-                  for layer in dropouts.values())
-    return bool(trainer.args.bf16 or trainer.args.fp16) and not dropout and chosen == "off"
 
 
 def _leave_process_group(torch: Any) -> None:

@@ -2,9 +2,9 @@
 
 PEFT casts each adapted layer's input to the adapter's dtype (float32 by default, which TRL keeps) before the
 adapter's matmuls, and autocast casts it back to bf16 for them. The trainer turns that cast off while it trains
-under autocast (runner.drops_adapter_input_casts). A bf16 base with a float32 adapter, under CPU autocast, shows both
-halves of the claim: nothing changes but the number of copies. With LoRA dropout the casts stay: dropout draws
-its mask per dtype, so its masks would differ.
+under autocast (adapter_casts.drops_adapter_input_casts). A bf16 base with a float32 adapter, under CPU autocast,
+shows both halves of the claim: nothing changes but the number of copies. With LoRA dropout the casts stay:
+dropout draws its mask per dtype, so its masks would differ.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from peft.helpers import disable_input_dtype_casting
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
+from grpo_trainer.adapter_casts import ADAPTER_INPUT_CASTS_ENV, drops_adapter_input_casts
 from grpo_trainer.errors import InvalidSpec
-from grpo_trainer.runner import ADAPTER_INPUT_CASTS_ENV, drops_adapter_input_casts
 
 
 def lora_model(model_dir: Path, dropout: float) -> Any:
