@@ -8,30 +8,20 @@ trains with PEFT's casts off (peft.helpers.disable_input_dtype_casting) where th
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
-from grpo_trainer.errors import InvalidSpec
 
-#: "off" (the default: drops_adapter_input_casts) or "keep" (PEFT's casts, as TRL trains; the benchmark's
-#: colocate baseline, and an A/B of the saving).
-ADAPTER_INPUT_CASTS_ENV = "GRPO_TRAINER_ADAPTER_INPUT_CASTS"
-
-
-def drops_adapter_input_casts(trainer: Any) -> bool:
+def drops_adapter_input_casts(trainer: Any, *, wanted: bool) -> bool:
     """Whether the trainer trains without PEFT's cast of each adapted layer's input to the adapter's dtype.
 
     PEFT casts it to float32 (its default adapter dtype, which TRL keeps); under the trainer's bf16 or fp16 autocast
     every such matmul runs in half precision whatever its input, so the cast and autocast's cast back change no
     result and cost two copies of the layer's activations, each way. Dropped under autocast without LoRA dropout
     (dropout draws its mask per dtype, so there the casts stay): tests/trainer/test_adapter_input_casts.py, the same
-    outputs and gradients, bit for bit."""
-    chosen = os.environ.get(ADAPTER_INPUT_CASTS_ENV) or "off"
-    if chosen not in ("off", "keep"):
-        raise InvalidSpec(f"the environment's {ADAPTER_INPUT_CASTS_ENV} is {chosen!r}; expected 'off' or 'keep'")
+    outputs and gradients, bit for bit. Not unless `wanted` (config.Savings)."""
     dropout = any(isinstance(layer, torch.nn.Dropout) and layer.p > 0 for module in trainer.model.modules()
                   if isinstance(dropouts := getattr(module, "lora_dropout", None), torch.nn.ModuleDict)
                   for layer in dropouts.values())
-    return bool(trainer.args.bf16 or trainer.args.fp16) and not dropout and chosen == "off"
+    return wanted and bool(trainer.args.bf16 or trainer.args.fp16) and not dropout

@@ -7,11 +7,12 @@ off-policy sequence masking all map onto GRPOConfig fields.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_api.models import Engine, GRPORunSpec, LoraSpec, Mode, Strategy, Tracker, Tuning, WeightTransfer
-from grpo_trainer.errors import UnsupportedSetting
+from grpo_trainer.errors import InvalidSpec, UnsupportedSetting
 
 #: Where a user finds an image that has what `vllm_needed_for` asks for.
 VLLM_IMAGE_HINT = (
@@ -64,6 +65,37 @@ class Platform:
     bitsandbytes: bool
     #: The trackers (spec.trainer.reportTo) whose packages this image has.
     trackers: frozenset[str] = field(default_factory=frozenset)
+
+
+#: "loss" (the default: sampler_ratio) or "forward" (TRL's own no-grad scoring forward).
+ENV_OLD_LOGPS = "GRPO_TRAINER_OLD_LOGPS"
+#: "off" (the default: adapter_casts) or "keep" (PEFT's cast of each adapted layer's input, as TRL trains).
+ENV_ADAPTER_INPUT_CASTS = "GRPO_TRAINER_ADAPTER_INPUT_CASTS"
+
+
+@dataclass(frozen=True)
+class Savings:
+    """The trainer's two savings over TRL's step, each on unless its environment variable keeps TRL's way (the
+    benchmark's colocate baseline keeps both; each is also an A/B of its saving)."""
+
+    #: the importance-sampling ratio from the training forward where that is sound (${ENV_OLD_LOGPS})
+    ratio_in_loss: bool = True
+    #: no float32 copy of each LoRA layer's input under autocast where that is sound (${ENV_ADAPTER_INPUT_CASTS})
+    drop_adapter_input_casts: bool = True
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str]) -> Savings:
+        return cls(ratio_in_loss=_switch(environ, ENV_OLD_LOGPS, on="loss", off="forward"),
+                   drop_adapter_input_casts=_switch(environ, ENV_ADAPTER_INPUT_CASTS, on="off", off="keep"))
+
+
+def _switch(environ: Mapping[str, str], name: str, *, on: str, off: str) -> bool:
+    """${name} as `on` (also when unset or empty) or `off`, case and spaces aside; InvalidSpec naming it otherwise."""
+    raw = environ.get(name, "")
+    value = raw.strip().lower() or on
+    if value not in (on, off):
+        raise InvalidSpec(f"${name}={raw[:64]!r} must be {on!r} (the default) or {off!r}")
+    return value == on
 
 
 def trackers_missing(spec: GRPORunSpec, available: frozenset[str]) -> UnsupportedSetting | None:

@@ -25,7 +25,7 @@ from grpo_api.protocol import ENV_ATTEMPT, HealthResponse, TrainingProgress
 from grpo_api.runconfig import RunConfig, RunConfigError, load_run_config
 from grpo_api.weight_transfer import ENV_WEIGHT_TRANSFER, resolve_weight_transfer
 from grpo_trainer.checkpoints import AttemptFence, latest_complete, remove_incomplete
-from grpo_trainer.config import Platform, tracker_environment
+from grpo_trainer.config import Platform, Savings, tracker_environment
 from grpo_trainer.errors import InvalidSpec, ServerMismatch, TrainingFailed, exit_code
 from grpo_trainer.image_capabilities import available_trackers
 from grpo_trainer.launch import end_on_sigterm, launch, needs_launch, rank, report_exit, world_size
@@ -226,6 +226,7 @@ def _train(
     t = cfg.spec.trainer
     main = rank() == 0
     platform = _checked_platform(cfg, torch)
+    savings = Savings.from_environment(os.environ)
     inputs = _training_inputs(cfg, model_dir)
     args = _grpo_args(cfg, inputs.reward_weights, platform)
     model = _load_model(model_dir, cfg.spec.model.dtype, quantize=t.lora.quantize_base, platform=platform)
@@ -233,9 +234,10 @@ def _train(
                        warm_start=warm is not None)
     trainer_kwargs = _trainer_kwargs(cfg, model, inputs, args, fence=fence, session=session, warm=warm)
     trainer, backend = _grpo_trainer(cfg, trainer_kwargs, inputs.dataset, session, sync=sync, metrics=metrics,
-                                     pool=pool, health=health, main=main)
+                                     pool=pool, health=health, main=main, savings=savings)
     _attach_session(cfg, trainer, session, main=main)
-    return _run(cfg, trainer, backend, session, sync=sync, metrics=metrics, resume=resume, main=main, torch=torch)
+    return _run(cfg, trainer, backend, session, sync=sync, metrics=metrics, resume=resume, main=main, torch=torch,
+                savings=savings)
 
 
 class _TrainingInputs(NamedTuple):
@@ -347,11 +349,12 @@ def _grpo_trainer(
     pool: ServerPool | None,
     health: HealthResponse | None,
     main: bool,
+    savings: Savings,
 ) -> tuple[ServerGRPOTrainer, GenerationBackend | None]:
     """TRL's trainer, generating as the mode and rank say, and the generation backend rank 0 talks to the server
     through (None: not in server mode, or another rank)."""
     from grpo_trainer.generation import DriftGuard, GenerationBackend, StalenessBound
-    from grpo_trainer.sampler_ratio import OLD_LOGPS_ENV, old_logps_from_training_forward
+    from grpo_trainer.sampler_ratio import old_logps_from_training_forward
     from grpo_trainer.trl_overrides import ServerGRPOTrainer, server_generation_installed
 
     t = cfg.spec.trainer
@@ -391,7 +394,7 @@ def _grpo_trainer(
         gradient_accumulation_steps=args.gradient_accumulation_steps, steps_per_generation=args.steps_per_generation,
         stale_batches_judged=(trainer.drift_guard is not None and trainer.drift_guard.judges
                               and (t.sync_interval > 1 or depth > 0)),
-        chosen=os.environ.get(OLD_LOGPS_ENV),
+        wanted=savings.ratio_in_loss,
     )
     if main and trainer.old_logps_in_loss:
         log("trainer: the importance-sampling ratio takes the policy's logprobs from the training forward "
@@ -423,6 +426,7 @@ def _run(
     resume: Path | None,
     main: bool,
     torch: Any,
+    savings: Savings,
 ) -> TrainingProgress:
     """Serve the metrics, drop interrupted checkpoints, train (resuming if there is a checkpoint), finish."""
     t = cfg.spec.trainer
@@ -441,7 +445,7 @@ def _run(
 
     model = trainer.model
     assert model is not None  # TRL's trainer always holds its model
-    drop_casts = drops_adapter_input_casts(trainer)
+    drop_casts = drops_adapter_input_casts(trainer, wanted=savings.drop_adapter_input_casts)
     if main and drop_casts:
         log("trainer: LoRA layers take their bf16 inputs as they are under autocast (no float32 copies)")
     try:

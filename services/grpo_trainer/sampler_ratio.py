@@ -16,31 +16,21 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_trainer.errors import InvalidSpec
-
 #: GRPOConfig.vllm_importance_sampling_mode values: <token|sequence>_<truncate|mask>.
 MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
-#: How the correction's logprobs are had: "loss" (from the training forward, where that is sound) or "forward"
-#: (TRL's own separate no-grad pass; the benchmark's colocate baseline, and an A/B of this saving).
-OLD_LOGPS_ENV = "GRPO_TRAINER_OLD_LOGPS"
-
-
 def old_logps_from_training_forward(
     *, correction: bool, num_iterations: int, gradient_accumulation_steps: int, steps_per_generation: int,
-    stale_batches_judged: bool, chosen: str | None,
+    stale_batches_judged: bool, wanted: bool,
 ) -> bool:
     """Whether the correction's old-policy logprobs can be the training forward's, detached.
 
     They can when the policy that scores a batch is the one that trains on it: each batch trained once
     (`num_iterations` 1) within one optimizer step (generation aligned with gradient accumulation, TRL's own test
     for skipping them without vLLM). Not when the drift guard must judge a stale batch before it is trained on
-    (`stale_batches_judged`): it reads them at scoring time. `chosen` is GRPO_TRAINER_OLD_LOGPS."""
-    if chosen not in (None, "", "loss", "forward"):
-        raise InvalidSpec(f"the environment's {OLD_LOGPS_ENV} is {chosen!r}; expected 'loss' or 'forward'")
+    (`stale_batches_judged`): it reads them at scoring time. Not unless `wanted` (config.Savings)."""
     aligned = gradient_accumulation_steps % (steps_per_generation * num_iterations) == 0
-    return (correction and num_iterations == 1 and aligned and not stale_batches_judged
-            and chosen != "forward")
+    return wanted and correction and num_iterations == 1 and aligned and not stale_batches_judged
 
 
 def sampler_ratio(

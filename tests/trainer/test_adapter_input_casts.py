@@ -20,7 +20,8 @@ from peft.helpers import disable_input_dtype_casting
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
-from grpo_trainer.adapter_casts import ADAPTER_INPUT_CASTS_ENV, drops_adapter_input_casts
+from grpo_trainer.adapter_casts import drops_adapter_input_casts
+from grpo_trainer.config import ENV_ADAPTER_INPUT_CASTS, Savings
 from grpo_trainer.errors import InvalidSpec
 
 
@@ -52,7 +53,7 @@ def test_casts_off_under_autocast_change_no_output_or_gradient_and_save_copies(t
     model = lora_model(tiny_model_dir, 0.0)
     ids = torch.randint(0, model.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(1))
     cast_logits, cast_grads, cast_copies = step(model, ids)
-    assert drops_adapter_input_casts(trainer(model, bf16=True))
+    assert drops_adapter_input_casts(trainer(model, bf16=True), wanted=True)
     with disable_input_dtype_casting(model):  # as the runner trains when it drops them
         logits, grads, copies = step(model, ids)
     print(f"\n{cast_copies} dtype copies a step with PEFT's casts, {copies} without")
@@ -64,18 +65,18 @@ def test_casts_off_under_autocast_change_no_output_or_gradient_and_save_copies(t
     assert cast_copies - copies >= 2 * layers  # each adapted layer's cast and autocast's cast back, at least
 
 
-def test_casts_stay_without_autocast_with_lora_dropout_or_when_asked(tiny_model_dir: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch):
+def test_casts_stay_without_autocast_with_lora_dropout_or_when_asked(tiny_model_dir: Path):
     model = lora_model(tiny_model_dir, 0.0)
-    assert drops_adapter_input_casts(trainer(model, bf16=True))
-    assert not drops_adapter_input_casts(trainer(model, bf16=False))  # float32 training needs them
+    assert drops_adapter_input_casts(trainer(model, bf16=True), wanted=True)
+    assert not drops_adapter_input_casts(trainer(model, bf16=False), wanted=True)  # float32 training needs them
     # a mask drawn in float32 differs from one drawn in bf16
-    assert not drops_adapter_input_casts(trainer(lora_model(tiny_model_dir, 0.1), bf16=True))
-    monkeypatch.setenv(ADAPTER_INPUT_CASTS_ENV, "keep")  # as TRL trains: the benchmark's colocate baseline
-    assert not drops_adapter_input_casts(trainer(model, bf16=True))
-    monkeypatch.setenv(ADAPTER_INPUT_CASTS_ENV, "never")
-    with pytest.raises(InvalidSpec, match=ADAPTER_INPUT_CASTS_ENV):
-        drops_adapter_input_casts(trainer(model, bf16=True))
+    assert not drops_adapter_input_casts(trainer(lora_model(tiny_model_dir, 0.1), bf16=True), wanted=True)
+    # as TRL trains: the benchmark's colocate baseline
+    assert not Savings.from_environment({ENV_ADAPTER_INPUT_CASTS: "keep"}).drop_adapter_input_casts
+    assert not drops_adapter_input_casts(trainer(model, bf16=True), wanted=False)
+    assert Savings.from_environment({ENV_ADAPTER_INPUT_CASTS: "OFF"}).drop_adapter_input_casts
+    with pytest.raises(InvalidSpec, match=ENV_ADAPTER_INPUT_CASTS):
+        Savings.from_environment({ENV_ADAPTER_INPUT_CASTS: "never"})
 
 
 def trainer(model: Any, *, bf16: bool) -> Any:

@@ -18,9 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from grpo_trainer.config import ENV_OLD_LOGPS, Savings
 from grpo_trainer.errors import InvalidSpec
 from grpo_trainer.runner import run_training
-from grpo_trainer.sampler_ratio import OLD_LOGPS_ENV, old_logps_from_training_forward, sampler_ratio
+from grpo_trainer.sampler_ratio import old_logps_from_training_forward, sampler_ratio
 from grpo_trainer.trl_overrides import ServerGRPOTrainer
 from tests.fixtures.server import RunningServer
 from tests.fixtures.trainer_runs import clear_adapter, token_fraction, trainer_config
@@ -34,7 +35,7 @@ def train(server: RunningServer, model_dir: Path, dataset: Path, work: Path, cap
           ) -> tuple[list[tuple[float, ...]], dict[str, torch.Tensor], int]:
     """One run of STEPS steps: each step's (reward, loss, ratio min/mean/max, drift), the final adapter's
     tensors, and how many policy forwards it ran."""
-    monkeypatch.setenv(OLD_LOGPS_ENV, old_logps)
+    monkeypatch.setenv(ENV_OLD_LOGPS, old_logps)
     monkeypatch.setenv("GRPO_TRAINER_METRICS_PORT", "0")
     forwards = 0
     inner = ServerGRPOTrainer._get_per_token_logps_and_entropies
@@ -87,16 +88,25 @@ def test_the_ratio_from_the_training_forward_trains_as_trls_scoring_forward(
 
 def test_the_saving_applies_only_where_the_scoring_policy_is_the_training_policy():
     same = {"correction": True, "num_iterations": 1, "gradient_accumulation_steps": 4, "steps_per_generation": 4,
-            "stale_batches_judged": False, "chosen": None}
+            "stale_batches_judged": False, "wanted": True}
     assert old_logps_from_training_forward(**same)
-    assert old_logps_from_training_forward(**{**same, "chosen": "loss"})
-    assert not old_logps_from_training_forward(**{**same, "chosen": "forward"})  # TRL's own pass, asked for
+    assert not old_logps_from_training_forward(**{**same, "wanted": False})  # TRL's own pass, asked for
     assert not old_logps_from_training_forward(**{**same, "correction": False})  # no ratio to form
     assert not old_logps_from_training_forward(**{**same, "num_iterations": 2})  # a batch trained twice
     assert not old_logps_from_training_forward(**{**same, "gradient_accumulation_steps": 2})  # scored mid-step
     assert not old_logps_from_training_forward(**{**same, "stale_batches_judged": True})  # the drift guard reads them
-    with pytest.raises(InvalidSpec, match=OLD_LOGPS_ENV):
-        old_logps_from_training_forward(**{**same, "chosen": "skip"})
+
+
+def test_the_environment_asks_for_trls_scoring_forward_or_is_refused_naming_the_variable():
+    assert Savings.from_environment({}).ratio_in_loss
+    assert Savings.from_environment({ENV_OLD_LOGPS: "loss"}).ratio_in_loss
+    assert Savings.from_environment({ENV_OLD_LOGPS: ""}).ratio_in_loss
+    assert not Savings.from_environment({ENV_OLD_LOGPS: "forward"}).ratio_in_loss
+    assert not Savings.from_environment({ENV_OLD_LOGPS: " Forward\n"}).ratio_in_loss
+    for bad in ("skip", "x" * 100_000):
+        with pytest.raises(InvalidSpec, match=ENV_OLD_LOGPS) as refused:
+            Savings.from_environment({ENV_OLD_LOGPS: bad})
+        assert len(str(refused.value)) < 200  # a huge value is not copied into the run's termination message
 
 
 def test_the_ratio_clips_or_masks_and_counts_an_unscored_token_as_one():
