@@ -354,7 +354,6 @@ def _grpo_trainer(
     """TRL's trainer, generating as the mode and rank say, and the generation backend rank 0 talks to the server
     through (None: not in server mode, or another rank)."""
     from grpo_trainer.generation import DriftGuard, GenerationBackend, StalenessBound
-    from grpo_trainer.sampler_ratio import old_logps_from_training_forward
     from grpo_trainer.trl_overrides import ServerGRPOTrainer, server_generation_installed
 
     t = cfg.spec.trainer
@@ -387,19 +386,28 @@ def _grpo_trainer(
         session.staleness = lambda: backend.last_staleness if backend else None
     else:
         trainer = ServerGRPOTrainer(**trainer_kwargs)
-    depth = t.prefetch_depth if server_mode and t.async_prefetch else 0
-    args = trainer_kwargs["args"]  # the GRPOConfig, its steps_per_generation filled in by TRL
-    trainer.old_logps_in_loss = old_logps_from_training_forward(
-        correction=t.importance_sampling.enabled, num_iterations=args.num_iterations,
-        gradient_accumulation_steps=args.gradient_accumulation_steps, steps_per_generation=args.steps_per_generation,
-        stale_batches_judged=(trainer.drift_guard is not None and trainer.drift_guard.judges
-                              and (t.sync_interval > 1 or depth > 0)),
-        wanted=savings.ratio_in_loss,
-    )
+    trainer.old_logps_in_loss = _ratio_in_loss(cfg, trainer, trainer_kwargs["args"], savings)
     if main and trainer.old_logps_in_loss:
         log("trainer: the importance-sampling ratio takes the policy's logprobs from the training forward "
             "(one forward pass fewer a step)")
     return trainer, backend
+
+
+def _ratio_in_loss(cfg: RunConfig, trainer: ServerGRPOTrainer, args: GRPOConfig, savings: Savings) -> bool:
+    """Whether this trainer forms the importance-sampling ratio in its training forward (sampler_ratio), from its
+    GRPOConfig and whether its drift guard judges stale batches."""
+    from grpo_trainer.sampler_ratio import old_logps_from_training_forward
+
+    t = cfg.spec.trainer
+    depth = t.prefetch_depth if cfg.spec.mode == Mode.SERVER and t.async_prefetch else 0
+    guard = trainer.drift_guard
+    return old_logps_from_training_forward(
+        correction=t.importance_sampling.enabled, num_iterations=args.num_iterations,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        steps_per_generation=args.steps_per_generation or args.gradient_accumulation_steps,  # TRL's own default
+        stale_batches_judged=guard is not None and guard.judges and (t.sync_interval > 1 or depth > 0),
+        wanted=savings.ratio_in_loss,
+    )
 
 
 def _attach_session(cfg: RunConfig, trainer: ServerGRPOTrainer, session: TrainingSession, *, main: bool) -> None:
